@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 
 import pytest
@@ -140,9 +141,13 @@ def test_reward_and_quadrant_metrics(pku_file):
     assert reward is task.reward_funcs[0]
     assert reward.last_rewards == scorer.last_rewards == [1.0, -1.0, 2.0, 0.0]
     assert reward.last_costs == scorer.last_costs == [-1.0, -2.0, 3.0, 0.0]
-    # an algorithm adapting lambda sets it on the reward
-    reward.lam = 2.0
-    assert task.rewards(rows, texts) == [1.0 + 2.0, -1.0 + 4.0, 2.0 - 6.0, 0.0]
+    # an algorithm adapts lambda through the reward's Lagrangian: log lambda += lambda_lr * (mean cost + d)
+    assert reward.lagrangian.adapt and reward.lam == 0.5
+    lam = reward.lagrangian.update(sum(reward.last_costs) / 4)  # mean cost 0: lambda unchanged
+    assert lam == pytest.approx(0.5)
+    lam = reward.lagrangian.update(2.0)  # EMA 0.9 * 0 + 0.1 * 2 = 0.2 -> log lambda += 0.1 * 0.2
+    assert lam == pytest.approx(0.5 * math.exp(0.02))
+    assert task.rewards(rows, texts) == pytest.approx([1.0 + lam, -1.0 + 2 * lam, 2.0 - 3 * lam, 0.0])
 
 
 def test_presplit_files(tmp_path):

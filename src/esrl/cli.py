@@ -86,6 +86,7 @@ TOOLS = {
     "serve-scorer": "esrl.scoring.service:main",
     "analyze": "esrl.analysis.cli:main",
     "sweep": "esrl.sweep:main",
+    "elo": "esrl.elo:main",
 }
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import os
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -17,6 +16,7 @@ import torch
 from esrl.errors import require
 from esrl.models.loading import DTYPES, load_causal_lm, load_tokenizer, resolve_model_path
 from esrl.rollout import RolloutConfig, build_engine
+from esrl.scoring.lagrangian import find_constrained_reward
 from esrl.tasks import Task
 
 
@@ -49,6 +49,7 @@ class PolicyModule(L.LightningModule):
         self.tokenizer = None
         self.engine = None
         self._timings: dict[str, float] = {}  # this step's time split, logged as time/<key>
+        self._lagrangian_state: dict[str, Any] | None = None  # restored from a checkpoint, applied at train start
 
     def seed_or_global(self, seed: int | None) -> int:
         """A configured seed, else the run's seed_everything value (Lightning exports it as PL_GLOBAL_SEED)."""
@@ -69,7 +70,11 @@ class PolicyModule(L.LightningModule):
             return
         self.tokenizer = load_tokenizer(self.model_path)
         self.policy = load_causal_lm(self.model_path, self.policy_config.dtype)
-        self.engine = build_engine(self.rollout_config, self.policy, self.tokenizer)
+        self.engine = build_engine(self.rollout_config, self.policy, self.tokenizer, **self.engine_options())
+
+    def engine_options(self) -> dict[str, Any]:
+        """Extra build_engine options the algorithm needs (ES lowrank on vLLM: LoRA adapters); none here."""
+        return {}
 
     @property
     def task(self) -> Task:
@@ -123,6 +128,33 @@ class PolicyModule(L.LightningModule):
         if not any(isinstance(c, Evaluation) for c in self.trainer.callbacks):
             callbacks.append(Evaluation())
         return callbacks
+
+    # -- cost constraint: tasks scored reward - lambda * cost (pku_saferlhf) ---------------------------------
+    @property
+    def constraint(self):
+        """The task's reward with a cost (its last raw rewards and costs, its Lagrangian); None without a cost."""
+        return find_constrained_reward(self.task)
+
+    def adapt_lambda(self, cost_sum: float, count: int) -> dict[str, float]:
+        """After a step's update: lambda adapts to the step's mean cost over all ranks (the caller sums them).
+
+        Returns the step's constraint metrics, lambda being the value the step trained with."""
+        lagrangian = self.constraint.lagrangian
+        used = lagrangian.lam
+        mean_cost = cost_sum / max(1, count)
+        lagrangian.update(mean_cost)
+        return {"train/lambda": used, "train/cost_mean": mean_cost}
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self._trainer is not None and self.constraint is not None:
+            checkpoint["esrl_lagrangian"] = self.constraint.lagrangian.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._lagrangian_state = checkpoint.get("esrl_lagrangian")
+
+    def on_train_start(self) -> None:
+        if self._lagrangian_state is not None and self.constraint is not None:
+            self.constraint.lagrangian.load_state_dict(self._lagrangian_state)
 
     # -- outputs -----------------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:

@@ -85,6 +85,7 @@ class GRPOModule(PolicyModule):
         self._rollouts: list[RolloutBatch] = []  # this optimizer step's micro-batches, reused for mu steps
         self._seen_step, self._micro_batch = -1, 0
         self._step_start = 0.0
+        self._step_costs: list[float] = []  # costs of this optimizer step's rollouts (tasks with a cost)
 
     # -- models ----------------------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -186,6 +187,8 @@ class GRPOModule(PolicyModule):
         with self.timed("reward"):
             repeated = [row for row in rows for _ in range(G)]
             rewards = self.task.rewards(repeated, [c.text for c in completions])
+        if self.constraint is not None:  # per-sample reward - lambda * cost; the costs adapt lambda after the step
+            self._step_costs.extend(self.constraint.last_costs)
         rewards = torch.tensor(rewards, dtype=torch.float32)
         advantages = group_advantages(rewards, G, self.grpo.scale_rewards)
 
@@ -262,6 +265,17 @@ class GRPOModule(PolicyModule):
         super().optimizer_step(*args, **kwargs)
         if hasattr(self.engine, "load_weights"):
             self.engine.load_weights(dict(self.policy.named_parameters()))
+        if self.constraint is not None:
+            self._adapt_lambda()
+
+    def _adapt_lambda(self) -> None:
+        """lambda from the mean cost of this step's fresh rollouts on all ranks (none when rollouts are reused)."""
+        local = torch.tensor([math.fsum(self._step_costs), len(self._step_costs)], dtype=torch.float64)
+        self._step_costs = []
+        total = self.trainer.strategy.reduce(local.to(self.device), reduce_op="sum").cpu()
+        if total[1] > 0:
+            metrics = self.adapt_lambda(float(total[0]), int(total[1]))
+            self.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         """The time split of the micro-batch: update is the policy forward, backward and optimizer step."""

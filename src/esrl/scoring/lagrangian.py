@@ -43,28 +43,34 @@ class Lagrangian:
         d: added to the mean cost before smoothing (the constraint is mean cost <= -d).
         lambda_min: lower clip of lambda (> 0 when adapting, since lambda moves in log space).
         lambda_max: upper clip of lambda.
+        field: config section named in error messages; `names` maps argument names to its keys.
     """
 
     def __init__(self, lambda_init: float = 1.0, adapt: bool = False, lr: float = 0.1, ema: float = 0.9,
                  d: float = 0.0, lambda_min: float = 1e-3, lambda_max: float = 100.0,
-                 field: str = "lagrangian"):
+                 field: str = "lagrangian", names: dict[str, str] | None = None):
+        names = names or {}
+
+        def where(name: str) -> str:  # the config key a user wrote, for the error message
+            return f"{field}.{names.get(name, name)}"
+
         for name, value in (("lambda_init", lambda_init), ("lr", lr), ("ema", ema), ("d", d),
                             ("lambda_min", lambda_min), ("lambda_max", lambda_max)):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-                raise ConfigError(f"{field}.{name}: must be a finite number, got {value!r}")
+                raise ConfigError(f"{where(name)}: must be a finite number, got {value!r}")
         if lambda_init < 0:
-            raise ConfigError(f"{field}.lambda_init: must be >= 0, got {lambda_init}")
+            raise ConfigError(f"{where('lambda_init')}: must be >= 0, got {lambda_init}")
         if adapt:
             if not 0 < lambda_min <= lambda_max:
-                raise ConfigError(f"{field}.lambda_min: must be > 0 and <= lambda_max ({lambda_max}) when lambda "
+                raise ConfigError(f"{where('lambda_min')}: must be > 0 and <= lambda_max ({lambda_max}) when lambda "
                                   f"adapts (it moves in log space), got {lambda_min}")
             if not lambda_min <= lambda_init <= lambda_max:
-                raise ConfigError(f"{field}.lambda_init: must lie in [lambda_min, lambda_max] = "
+                raise ConfigError(f"{where('lambda_init')}: must lie in [lambda_min, lambda_max] = "
                                   f"[{lambda_min}, {lambda_max}], got {lambda_init}")
             if lr < 0:
-                raise ConfigError(f"{field}.lr: must be >= 0, got {lr}")
+                raise ConfigError(f"{where('lr')}: must be >= 0, got {lr}")
             if not 0 <= ema < 1:
-                raise ConfigError(f"{field}.ema: must be in [0, 1), got {ema}")
+                raise ConfigError(f"{where('ema')}: must be in [0, 1), got {ema}")
         self.lambda_init = float(lambda_init)
         self.adapt = bool(adapt)
         self.lr = float(lr)
@@ -124,12 +130,11 @@ class Lagrangian:
 
 
 def find_constrained_reward(task: Any) -> Any | None:
-    """The task's reward function that also reports costs (has `last_rewards`, `last_costs` and a settable `lam`).
+    """The task's reward function that also reports costs (has `last_rewards`, `last_costs` and a `lagrangian`).
 
-    Algorithms use this to run the Lagrangian without knowing which task they train on; None when the task has
-    no cost.
+    Algorithms use this to adapt lambda without knowing which task they train on; None when the task has no cost.
     """
     for f in getattr(task, "reward_funcs", []):
-        if all(hasattr(f, a) for a in ("last_rewards", "last_costs", "lam")):
+        if all(hasattr(f, a) for a in ("last_rewards", "last_costs", "lagrangian")):
             return f
     return None

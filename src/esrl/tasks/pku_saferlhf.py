@@ -1,8 +1,9 @@
 """PKU-SafeRLHF alignment: be helpful (reward model) and harmless (cost model).
 
 Prompts use Safe-RLHF's raw conversation format (no chat template) and generation stops at a new "USER:" turn.
-The reward of a response is reward - lambda * cost from a Scorer (in process or over HTTP), lambda fixed at
-`lambda_init` here; ES can adapt lambda through `esrl.scoring.Lagrangian`, which sets this reward's `lam`.
+The reward of a response is reward - lambda * cost from a Scorer (in process or over HTTP). lambda lives in the
+reward's `esrl.scoring.Lagrangian`; ES and GRPO adapt it after each step from the step's mean cost (PolicyModule),
+so both algorithms optimise the same constrained objective.
 Safe means cost <= 0, helpful means reward > 0.
 """
 
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from esrl.errors import ConfigError, DataError
-from esrl.scoring import Scorer, build_scorer
+from esrl.scoring import Lagrangian, Scorer, build_scorer
 from esrl.tasks.base import Prompt, Task, completion_text
 from esrl.tasks.io import check_row, read_jsonl
 
@@ -148,9 +149,9 @@ class SafetyReward:
 
     __name__ = "safety_reward"
 
-    def __init__(self, scorer: Scorer, lam: float = 1.0):
+    def __init__(self, scorer: Scorer, lagrangian: Lagrangian | None = None):
         self.scorer = scorer
-        self.lam = float(lam)
+        self.lagrangian = lagrangian or Lagrangian()
         self.last_rewards: list[float] = []
         self.last_costs: list[float] = []
         self._key: tuple[tuple[str, ...], tuple[str, ...]] | None = None
@@ -165,7 +166,11 @@ class SafetyReward:
 
     def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **_: Any) -> list[float]:
         rewards, costs = self.scores(prompts, completions)
-        return [r - self.lam * c for r, c in zip(rewards, costs)]
+        return self.lagrangian.per_sample(rewards, costs)
+
+    @property
+    def lam(self) -> float:
+        return self.lagrangian.lam
 
 
 def quadrant_metrics(rewards: Sequence[float], costs: Sequence[float]) -> dict[str, list[float]]:
@@ -212,7 +217,8 @@ def build(path: str = HUB_ID, config: str | None = "alpaca-7b", split: str = "tr
           train_path: str | None = None, eval_path: str | None = None, num_train: int | None = 250,
           num_eval: int | None = 500, seed: int = 42, scorer: Scorer | str | None = None,
           reward_model: str | None = None, cost_model: str | None = None, token: str | None = None,
-          lambda_init: float = 1.0, timeout: float = 60.0, retries: int = 3, backoff: float = 1.0,
+          lambda_init: float = 1.0, lambda_adapt: bool = True, lambda_lr: float = 0.1, lambda_ema: float = 0.9,
+          cost_margin: float = 0.0, lambda_min: float = 1e-3, lambda_max: float = 100.0, timeout: float = 60.0, retries: int = 3, backoff: float = 1.0,
           max_items: int | None = None, max_chars: int | None = None, device: str = "auto",
           dtype: str = "float32", max_length: int = 512, batch_size: int = 8) -> Task:
     """The PKU-SafeRLHF task.
@@ -231,7 +237,14 @@ def build(path: str = HUB_ID, config: str | None = "alpaca-7b", split: str = "tr
         reward_model: reward model (Safe-RLHF score model or one-label sequence classifier).
         cost_model: cost model (same layouts).
         token: bearer token of the scorer service (default: environment variable ESRL_SCORER_TOKEN).
-        lambda_init: lambda of reward - lambda * cost (fixed here; an algorithm may adapt it).
+        lambda_init: starting lambda of the training reward reward - lambda * cost (Safe-RLHF's default 1).
+        lambda_adapt: adapt lambda after every training step from the step's mean cost (the public ES
+            replication's adaptive lambda); False keeps lambda_init.
+        lambda_lr: step size on log lambda (Safe-RLHF's lambda_lr 0.1).
+        lambda_ema: smoothing of the mean cost between steps, in [0, 1).
+        cost_margin: d in the constraint mean cost <= -d (0: safe on average).
+        lambda_min: lambda never falls below this (> 0: lambda moves in log space).
+        lambda_max: lambda never exceeds this.
         timeout: seconds per request to the scorer service.
         retries: further attempts after a failed request.
         backoff: seconds before the first retry (doubled each time).
@@ -251,13 +264,15 @@ def build(path: str = HUB_ID, config: str | None = "alpaca-7b", split: str = "tr
     else:
         train_rows, eval_rows = stratified_split(load_rows(path, config, split), num_train or 250,
                                                  num_eval if num_eval is not None else 500, seed)
-    if lambda_init < 0:
-        raise ConfigError(f"data.task_args.lambda_init: must be >= 0, got {lambda_init}")
+    lagrangian = Lagrangian(lambda_init, adapt=lambda_adapt, lr=lambda_lr, ema=lambda_ema, d=cost_margin,
+                            lambda_min=lambda_min, lambda_max=lambda_max, field="data.task_args",
+                            names={"adapt": "lambda_adapt", "lr": "lambda_lr", "ema": "lambda_ema",
+                                   "d": "cost_margin"})
     built = build_scorer(scorer, reward_model=reward_model, cost_model=cost_model, token=token, timeout=timeout,
                          retries=retries, backoff=backoff, max_items=max_items, max_chars=max_chars,
                          field="data.task_args.scorer", device=device, dtype=dtype, max_length=max_length,
                          batch_size=batch_size)
-    reward = SafetyReward(built, lambda_init)
+    reward = SafetyReward(built, lagrangian)
     return Task(
         name="pku_saferlhf",
         train_rows=train_rows,
