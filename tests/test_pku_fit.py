@@ -82,7 +82,8 @@ def pku_config(path: Path, tiny_model: str, url: str, callbacks: list | None = N
         "algo": "es",
         "model": {"policy": {"name_or_path": tiny_model},
                   "rollout": {"max_new_tokens": 8},
-                  "es": {"population_size": 4, "sigma": 0.05, "alpha": 0.02}},
+                  "es": {"population_size": 4, "sigma": 0.05, "alpha": 0.02},
+                  "grpo": {"num_generations": 4, "learning_rate": 1e-4, "beta": 0.0}},
         "data": {"task": "pku_saferlhf",
                  "task_args": {"train_path": str(FIXTURES / "pku_train4.jsonl"),
                                "eval_path": str(FIXTURES / "pku_eval2.jsonl"), "num_train": None, "num_eval": None,
@@ -174,3 +175,19 @@ def test_killed_service_stops_cleanly_and_resume_loses_nothing(tiny_model, score
     assert (resumed.parent.parent / "seed_log.jsonl").read_text() == (ref_dir / "seed_log.jsonl").read_text()
     ref_lambda = [r["train/lambda"] for r in metric_rows(ref_dir)]
     assert [r["train/lambda"] for r in metric_rows(resumed.parent.parent)] == ref_lambda[1:]
+
+
+def test_grpo_adapts_lambda_from_its_rollouts_costs(tiny_model, service, tmp_path):
+    """GRPO trains on per-sample reward - lambda * cost and adapts lambda the same way after each step."""
+    final = fit_final(pku_config(tmp_path / "grpo.yaml", tiny_model, service.url), tmp_path / "run",
+                      "--algo", "grpo", "--trainer.max_steps", "2")
+    run_dir = final.parent.parent
+    rows = metric_rows(run_dir)
+    assert len(rows) == 2
+    lam = 1.0
+    for r in rows:
+        assert float(r["train/lambda"]) == pytest.approx(lam, rel=1e-6)  # the CSV holds float32
+        lam = math.exp(math.log(lam) + LAMBDA_LR * float(r["train/cost_mean"]))
+    ckpt = torch.load(run_dir / "checkpoints" / "step=2.ckpt", weights_only=True)
+    assert ckpt["esrl_lagrangian"]["steps"] == 2
+    assert ckpt["esrl_lagrangian"]["lambda"] == pytest.approx(lam, rel=1e-6)
