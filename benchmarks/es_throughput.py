@@ -1,4 +1,4 @@
-"""ES iteration throughput and memory: full vs lowrank (population-batched) vs the plain-generate floor.
+"""ES iteration throughput and memory: full vs lowrank and lora (population-batched) vs the plain-generate floor.
 
 Setup: the embedded SmolLM2-135M-Instruct (fp32), N=30 members, the 2 conciseness training prompts, 100 new
 tokens, greedy, EOS ignored (min_new_tokens = max_new_tokens), so every mode generates N x P x 100 tokens.
@@ -7,6 +7,9 @@ Each mode runs in its own fresh process (so the peak-RSS figures do not mix):
 - floor:   one plain batched generate of the same N x P = 60 sequences with the base weights.
 - lowrank: one whole ES iteration (rank 1): factors, ONE batched generate of 60 rows with per-row low-rank
            terms, rewards, the fp32 low-rank update and the SGD step.
+- lora:    one whole ES iteration over a PEFT LoRA adapter (rank 8 on the 7 projections of every layer): the
+           adapter's perturbed factors stacked per member, ONE batched generate of 60 rows with per-row adapter
+           factors, rewards, the fp32 full-noise update in adapter space and the SGD step.
 - full:    the paper's mode, member by member (perturb 135M weights, generate 2 rows, restore). Too slow to run
            all 30 members on a laptop CPU: `--full-members K` members are timed and the per-member mean is
            extrapolated to N (said so in the output); the update (30 full-size noise regenerations) is run for real.
@@ -15,7 +18,7 @@ Memory: `peak_rss_mb` is the process's RSS high-water mark (resource.getrusage, 
 `peak_delta_mb` is the highest RSS sampled every 2 ms by a thread during the timed phase minus the RSS
 just before it (psutil).
 
-    .venv/bin/python benchmarks/es_throughput.py [--members 30] [--new-tokens 100] [--repeats 2]
+    .venv/bin/python benchmarks/es_throughput.py [--members 30] [--new-tokens 100] [--repeats 2] [--modes ...]
 
 Prints one line per mode, then one JSON line with the ratios.
 """
@@ -118,6 +121,28 @@ def worker(mode: str, args) -> dict:
                 split = {"generate_s": round(t_gen - start, 2), "update_s": round(time.perf_counter() - t_gen, 2)}
         tokens = sum(len(c.token_ids) for cs in out for c in cs)
         result.update(split, rank=args.rank, perturbed_matrices=len(sel))
+    elif mode == "lora":
+        from esrl.es.config import ESConfig
+        from esrl.es.lora import LoraPopulation
+        from esrl.es.setup import build_policy, build_selection
+
+        cfg = ESConfig(mode="lora", sigma=0.01, lora_rank=args.lora_rank, lora_alpha=2 * args.lora_rank)
+        peft_model = build_policy(model, cfg, 0)  # injected into `model` in place: the engine generates with it
+        sel, spec = build_selection(peft_model, cfg)
+        opt = torch.optim.SGD(sel.params, lr=1e-3)
+        times, split = [], {}
+        with PeakRSS() as mem:
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                out = engine.generate_population(
+                    prompts, n, lambda rm: LoraPopulation(peft_model, sel, spec, members, rm), **gen)
+                t_gen = time.perf_counter()
+                fitness = torch.tensor(rewards_of(out))
+                es_step(opt, sel, members, shape_fitness(fitness), spec)  # what ESModule runs
+                times.append(time.perf_counter() - start)
+                split = {"generate_s": round(t_gen - start, 2), "update_s": round(time.perf_counter() - t_gen, 2)}
+        tokens = sum(len(c.token_ids) for cs in out for c in cs)
+        result.update(split, lora_rank=args.lora_rank, adapter_tensors=len(sel), adapter_params=sel.numel())
     elif mode == "full":
         sel = select_params(model)
         perturber = Perturber(sel)
@@ -157,9 +182,14 @@ def main() -> None:
     ap.add_argument("--members", type=int, default=30)
     ap.add_argument("--new-tokens", type=int, default=100)
     ap.add_argument("--rank", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=2, help="timed repeats of floor and lowrank (best is kept)")
+    ap.add_argument("--lora-rank", type=int, default=8, help="lora: adapter rank (lora_alpha = 2 x rank)")
+    ap.add_argument("--repeats", type=int, default=2, help="timed repeats of floor, lowrank and lora (best is kept)")
     ap.add_argument("--full-members", type=int, default=3, help="full mode: members actually timed")
-    ap.add_argument("--modes", default="floor,lowrank,full")
+    ap.add_argument("--modes", default="floor,lowrank,lora,full")
+    ap.add_argument("--engines", default="hf", help="hf, vllm or hf,vllm (the rows of es_throughput_vllm.py)")
+    import es_throughput_vllm  # the vLLM rows: same setup, their own options (--vllm-modes, --kv-cache-mb, ...)
+
+    es_throughput_vllm.add_arguments(ap, shared=False)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -169,9 +199,9 @@ def main() -> None:
                "torch_threads": torch.get_num_threads(), "python": platform.python_version()}
     print(json.dumps({"machine": machine}))
     results = {}
-    passthrough = [f"--members={args.members}", f"--new-tokens={args.new_tokens}", f"--rank={args.rank}",
+    passthrough = [f"--members={args.members}", f"--new-tokens={args.new_tokens}", f"--rank={args.rank}", f"--lora-rank={args.lora_rank}",
                    f"--repeats={args.repeats}", f"--full-members={args.full_members}"]
-    for mode in args.modes.split(","):
+    for mode in args.modes.split(",") if "hf" in args.engines.split(",") else []:
         out = subprocess.run([sys.executable, __file__, "--worker", mode, *passthrough], capture_output=True,
                              text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
         line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -185,12 +215,23 @@ def main() -> None:
         summary["lowrank_over_floor_time"] = round(results["lowrank"]["seconds"] / results["floor"]["seconds"], 3)
         summary["lowrank_over_floor_peak_rss"] = round(
             results["lowrank"]["peak_rss_mb"] / results["floor"]["peak_rss_mb"], 3)
+    if "floor" in results and "lora" in results:
+        summary["lora_over_floor_time"] = round(results["lora"]["seconds"] / results["floor"]["seconds"], 3)
+        summary["lora_over_floor_peak_rss"] = round(results["lora"]["peak_rss_mb"] / results["floor"]["peak_rss_mb"], 3)
+    if "lowrank" in results and "lora" in results:
+        summary["lora_over_lowrank_time"] = round(results["lora"]["seconds"] / results["lowrank"]["seconds"], 3)
     if "full" in results and "lowrank" in results:
         summary["full_over_lowrank_speedup"] = round(results["full"]["seconds"] / results["lowrank"]["seconds"], 2)
         summary["full_extrapolated"] = True
     summary.update({f"{m}_s": r["seconds"] for m, r in results.items()})
     summary.update({f"{m}_peak_rss_mb": r["peak_rss_mb"] for m, r in results.items()})
     print(json.dumps(summary))
+    if "vllm" in args.engines.split(","):
+        vllm = es_throughput_vllm.run(args)
+        both = es_throughput_vllm.summary(vllm, args)
+        both.update({f"vllm_over_hf_{m}_time": round(vllm[m]["seconds"] / results[m]["seconds"], 3)
+                     for m in vllm if m in results})
+        print(json.dumps(both))
 
 
 def _cpu_model() -> str:

@@ -54,6 +54,26 @@ def test_lowrank_selection_skips_tied_embedding_and_frozen_vectors(tiny_lm):
                           include=["embed", "q_proj"])
 
 
+def test_rows_in_any_order_get_their_members_perturbation(tiny_lm, tok):
+    """Member-major rows take the grouped path (no gather); shuffled rows the per-row gather: same logits."""
+    spec = NoiseSpec(mode="lowrank", sigma=0.05, rank=2, lowrank_vectors="full")
+    sel = lowrank_selection(tiny_lm, select_params(tiny_lm), spec)
+    members = population(4, 1, 3)
+    enc = tok(PROMPTS * len(members), return_tensors="pt", padding=True, add_special_tokens=False)
+    row_member = torch.arange(len(members)).repeat_interleave(len(PROMPTS))
+    perm = torch.randperm(row_member.numel(), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        grouped = PopulationPerturbation(tiny_lm, sel, spec, members, row_member)
+        assert grouped._per_member == len(PROMPTS)
+        with grouped:
+            expected = tiny_lm(**enc).logits
+        shuffled = PopulationPerturbation(tiny_lm, sel, spec, members, row_member[perm])
+        assert shuffled._per_member == 0
+        with shuffled:
+            got = tiny_lm(input_ids=enc["input_ids"][perm], attention_mask=enc["attention_mask"][perm]).logits
+    assert torch.allclose(got, expected[perm], atol=1e-5, rtol=0), (got - expected[perm]).abs().max()
+
+
 SPECS = [NoiseSpec(mode="lowrank", sigma=0.05, rank=1),
          NoiseSpec(mode="lowrank", sigma=0.05, rank=3, lowrank_vectors="full"),
          NoiseSpec(mode="lowrank", sigma=2.0, rank=2, sigma_scaling="rms", lowrank_vectors="full")]
@@ -172,8 +192,8 @@ def test_module_batched_fitness_and_update_equal_member_by_member(tiny_model, mo
     members = population(9, 0, es.population_size, antithetic=True)
     chunks = member_chunks(members, batched_mod.members_per_chunk(len(rows)))
     assert [len(c) for c in chunks] == [2, 2, 2]
-    batched = [f for c in chunks for f in batched_mod.chunk_fitness(rows, c, [])]
-    single = [single_mod.member_fitness(rows, m, []) for m in members]
+    batched = [float(f[0]) for c in chunks for f in batched_mod.chunk_fitness(rows, c, [])]  # column 0: fitness
+    single = [float(single_mod.member_fitness(rows, m, [])[0]) for m in members]
     assert batched == single and len(set(batched)) > 1
     for mod, fitness in ((batched_mod, batched), (single_mod, single)):
         set_es_grads(mod.selection, members, shape_fitness(torch.tensor(fitness)), mod.noise_spec)

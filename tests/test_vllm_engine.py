@@ -157,3 +157,57 @@ def test_sampling_is_seeded_and_n_samples_differ(engine):
     assert len(a) == 6
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
     assert len({tuple(c.token_ids) for c in a[:3]}) > 1
+
+
+class _FakeLLM:
+    """Records the calls the engine makes (no vLLM needed)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self):
+        self.calls.append(("wake_up",))
+
+    def collective_rpc(self, method, args=()):
+        self.calls.append(("rpc", method))
+        return [{}]
+
+
+def _fake_engine(sleep: bool):
+    from esrl.rollout import RolloutConfig
+    from esrl.rollout.vllm import VLLMEngine
+
+    engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM engine behind it
+    engine.config, engine.llm, engine._asleep = RolloutConfig(engine="vllm", vllm_sleep=sleep), _FakeLLM(), False
+    return engine
+
+
+def test_sleep_is_level_1_and_any_later_use_wakes_the_engine_first():
+    engine = _fake_engine(sleep=True)
+    engine.sleep()
+    engine.sleep()  # already asleep: nothing
+    assert engine.is_sleeping
+    engine.load_weights({"w": torch.zeros(1)})  # GRPO's push after the optimizer step
+    engine.read_weights()
+    assert engine.llm.calls == [("sleep", 1), ("wake_up",), ("rpc", "esrl_load_weights"), ("rpc", "esrl_read_weights")]
+    off = _fake_engine(sleep=False)
+    off.sleep()  # rollout.vllm_sleep off: GRPO's call does nothing
+    assert off.llm.calls == [] and not off.is_sleeping
+
+
+@requires_vllm
+def test_vllm_sleep_without_a_gpu_is_one_config_error(tiny_lm):
+    """vLLM has no sleep mode on CPU: refused in one line before any engine starts."""
+    from vllm.platforms import current_platform
+
+    from esrl.models.loading import load_tokenizer
+    from esrl.rollout import RolloutConfig, build_engine
+
+    if current_platform.is_sleep_mode_available():
+        pytest.skip("this platform has vLLM's sleep mode")
+    with pytest.raises(ConfigError) as err:
+        build_engine(RolloutConfig(engine="vllm", vllm_sleep=True), tiny_lm, load_tokenizer("smollm2-135m-instruct"))
+    assert "model.rollout.vllm_sleep" in str(err.value) and "cpu" in str(err.value) and "\n" not in str(err.value)

@@ -74,7 +74,7 @@ def _es_model(tiny_model: str) -> str:
     return "smollm2-135m-instruct" if os.environ.get("ESRL_TEST_EMBEDDED") == "1" else tiny_model
 
 
-def _es_fit(engine: str, tmp_path, model: str, steps: int = 2):
+def _es_fit(engine: str, tmp_path, model: str, steps: int = 2, **es):
     from esrl.es.config import ESConfig
     from esrl.es.module import ESModule
     from esrl.policy import PolicyConfig
@@ -84,13 +84,15 @@ def _es_fit(engine: str, tmp_path, model: str, steps: int = 2):
         """Records every member's raw fitness (mean task reward) as the iteration computes it."""
 
         def member_fitness(self, rows, member, stop):
-            fitness = super().member_fitness(rows, member, stop)
+            scores = super().member_fitness(rows, member, stop)
+            fitness = float(scores[0]) if torch.is_tensor(scores) and scores.dim() else float(scores)
             self.fitness_log.append((self.global_step, member.index, fitness))
-            return fitness
+            return scores
 
     module = Recording(PolicyConfig(name_or_path=model),
                        RolloutConfig(engine=engine, max_new_tokens=12, vllm_kwargs={"max_model_len": 256}),
-                       ESConfig(population_size=4, sigma=0.01, alpha=0.005, seed=5, checksum_every=0))
+                       ESConfig(**{**dict(population_size=4, sigma=0.01, alpha=0.005, seed=5, checksum_every=0),
+                                   **es}))
     module.fitness_log = []
     _trainer(tmp_path / engine, steps).fit(module, datamodule=_data(prompts_per_step=2))
     return module
@@ -112,6 +114,19 @@ def test_es_on_hf_and_vllm_engines_give_equal_fitness_and_weights(tmp_path, tiny
     for name in base:
         assert torch.equal(final_vl[name], final_hf[name]), name
         assert torch.equal(read[name], final_hf[name].detach()), name
+
+
+def test_es_full_rms_adam_on_vllm_equals_hf(tmp_path, tiny_model):
+    """sigma_scaling rms (per-tensor scales from the HF policy's tensors) and Adam (the engine receives the
+    HF policy's updated tensors instead of replaying the update): equal fitness and final weights."""
+    kw = dict(sigma=0.05, sigma_scaling="rms", optimizer="adam", alpha=0.01)
+    hf = _es_fit("hf", tmp_path / "rms", tiny_model, **kw)
+    vl = _es_fit("vllm", tmp_path / "rms", tiny_model, **kw)
+    assert vl.fitness_log == hf.fitness_log and len(hf.fitness_log) == 8
+    assert len({f for _, _, f in hf.fitness_log}) > 1
+    read = vl.engine.read_weights()
+    for name, p in hf.policy.named_parameters():
+        assert torch.equal(read[name], p.detach()), name
 
 
 def _load_base(model: str):

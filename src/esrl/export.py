@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from esrl.es.lora import save_final
 from esrl.es.seed_log import read_seed_log, replay
 from esrl.models import load_causal_lm, load_tokenizer
 
@@ -13,11 +14,8 @@ def export(seed_log: str, out: str, base: str | None = None, step: int | None = 
     header, records = read_seed_log(seed_log)
     base = base or header["policy"]["name_or_path"]
     model = load_causal_lm(base, header["policy"]["dtype"])
-    replay(model, header, records, step)
-    out_dir = Path(out)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    load_tokenizer(base).save_pretrained(out_dir)
-    return out_dir
+    model = replay(model, header, records, step)  # lora: the adapter-wrapped model
+    return save_final(model, load_tokenizer(base), out)  # lora: out/adapter/ and the merged model in out/
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,17 +22,33 @@ class ESConfig:
     """Members (2k, 2k+1) share noise with opposite signs (mirrored sampling)."""
     shaping: Literal["zscore", "centered_rank", "raw"] = "zscore"
     """Fitness shaping: z-score as in the paper, tie-safe centered rank, or raw rewards."""
-    mode: Literal["full", "lowrank"] = "full"
+    mode: Literal["full", "lowrank", "lora"] = "full"
     """Noise mode: `full` Gaussian noise on whole tensors, member by member (the paper's algorithm); `lowrank`
     rank-r noise sigma A B^T / sqrt(r) on every perturbed nn.Linear weight (EGGROLL), the whole population in
-    one batched generation (chunks of rollout.max_batch_size // prompts members)."""
+    one batched generation (chunks of rollout.max_batch_size // prompts members); `lora` full Gaussian noise on
+    the weights of a PEFT LoRA adapter only (ES in adapter space, base weights frozen), population-batched like
+    lowrank; the adapter is saved in PEFT format under final/adapter/ and merged into final/."""
     rank: int = 1
     """lowrank: rank r of each member's noise A B^T on a matrix."""
     lowrank_vectors: Literal["frozen", "full"] = "frozen"
     """lowrank: 1-D tensors (norm weights, biases) stay `frozen` or get `full` Gaussian noise. Embeddings (and
     weights tied to them, e.g. SmolLM2's lm_head) are never perturbed in lowrank mode."""
+    lora_rank: int = 8
+    """lora: rank r of the adapter (A: r x in, B: out x r). 8 with lora_alpha 16 is MeZO's LoRA setting
+    (zeroth-order fine-tuning, Malladi et al. 2023) and the common alpha = 2r choice."""
+    lora_alpha: float = 16.0
+    """lora: LoRA scaling numerator (W + lora_alpha / r * B A); not the ES learning rate `alpha`. With B
+    perturbed by sigma * eps it scales the effective weight perturbation, so it trades off against sigma."""
+    lora_target_modules: list[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    """lora: names (or name suffixes) of the nn.Linear modules that get an adapter (PEFT's target_modules);
+    the default is every attention and MLP projection of Llama/Qwen-style models. `layers` picks the layers."""
+    lora_init: Literal["kaiming", "gaussian"] = "kaiming"
+    """lora: initial A, kaiming-uniform U(+-1/sqrt(in)) (PEFT's default) or N(0, 1/r^2) (PEFT's gaussian);
+    B starts at 0 either way, so the adapter starts as the identity and step 0 is the base model."""
     sigma_scaling: Literal["global", "rms"] = "global"
-    """Noise scale of tensor j: one global sigma, or sigma * RMS(theta_j) (`rms`); every mode."""
+    """Noise scale of tensor j: one global sigma, or sigma * RMS(theta_j) (`rms`); full and lowrank (lora's B
+    starts at 0, so rms would never perturb it)."""
     optimizer: Literal["sgd", "adam"] = "sgd"
     """Optimizer fed with the ES gradient (grad = -g): `sgd` (lr=alpha: the paper's update) or `adam`."""
     momentum: float = 0.0
@@ -40,11 +56,13 @@ class ESConfig:
     weight_decay: float = 0.0
     """Weight decay of the optimizer (decoupled, AdamW-style, for adam)."""
     include: list[str] = field(default_factory=list)
-    """Regexes on parameter names to perturb (empty: all parameters)."""
+    """Regexes on parameter names to perturb (empty: all parameters); in lora mode they pick among the adapter's
+    weights (PEFT names, e.g. 'lora_B' or 'self_attn')."""
     exclude: list[str] = field(default_factory=list)
     """Regexes on parameter names never to perturb."""
     layers: str | None = None
-    """Transformer layer ranges to perturb, e.g. '0-5,20' (None: all layers and non-layer tensors)."""
+    """Transformer layer ranges to perturb, e.g. '0-5,20' (None: all layers and non-layer tensors); in lora mode
+    the layers that get an adapter (None: every layer)."""
     seed: int | None = None
     """Seed of the noise; None takes the run's seed_everything value."""
     checksum_every: int = 10
@@ -58,12 +76,22 @@ class ESConfig:
         require(not self.antithetic or self.population_size % 2 == 0, "model.es.population_size",
                 f"antithetic sampling needs an even population, got {self.population_size}")
         require(self.checksum_every >= 0, "model.es.checksum_every", "must be >= 0")
-        require(self.mode in ("full", "lowrank"), "model.es.mode", f"choose full or lowrank, got {self.mode!r}")
+        require(self.mode in ("full", "lowrank", "lora"), "model.es.mode",
+                f"choose full, lowrank or lora, got {self.mode!r}")
         require(self.rank >= 1, "model.es.rank", f"must be >= 1, got {self.rank}")
         require(self.lowrank_vectors in ("frozen", "full"), "model.es.lowrank_vectors",
                 f"choose frozen or full, got {self.lowrank_vectors!r}")
         require(self.sigma_scaling in ("global", "rms"), "model.es.sigma_scaling",
                 f"choose global or rms, got {self.sigma_scaling!r}")
+        require(self.lora_rank >= 1, "model.es.lora_rank", f"must be >= 1, got {self.lora_rank}")
+        require(self.lora_alpha > 0, "model.es.lora_alpha", f"must be > 0, got {self.lora_alpha}")
+        require(bool(self.lora_target_modules) and all(isinstance(m, str) and m for m in self.lora_target_modules),
+                "model.es.lora_target_modules", f"must be a non-empty list of module names, got "
+                f"{self.lora_target_modules!r}")
+        require(self.lora_init in ("kaiming", "gaussian"), "model.es.lora_init",
+                f"choose kaiming or gaussian, got {self.lora_init!r}")
+        require(self.mode != "lora" or self.sigma_scaling == "global", "model.es.sigma_scaling",
+                "lora mode needs global (the adapter's B starts at 0: sigma * RMS(B) = 0 would never perturb it)")
         require(self.optimizer in ("sgd", "adam"), "model.es.optimizer", f"choose sgd or adam, got {self.optimizer!r}")
         require(self.momentum >= 0, "model.es.momentum", "must be >= 0")
         require(self.weight_decay >= 0, "model.es.weight_decay", "must be >= 0")

@@ -42,7 +42,7 @@ from esrl.es.params import ParamSelection
 
 _MASK63 = (1 << 63) - 1
 
-Mode = Literal["full", "lowrank"]
+Mode = Literal["full", "lowrank", "lora"]  # lora: full noise on the adapter (esrl.es.lora)
 
 
 @dataclass(frozen=True)
@@ -163,6 +163,13 @@ class PopulationPerturbation:
         self.spec = spec
         self.members = list(members)
         self.row_member = row_member
+        # Member-major rows with the same count per member (what generate_population builds) let the hooks
+        # view x as (members, rows per member * seq, in) and use each member's factors without gathering them.
+        m = len(self.members)
+        per = row_member.numel() // m if m else 0
+        grouped = per > 0 and per * m == row_member.numel()
+        self._per_member = per if grouped and torch.equal(
+            row_member.cpu(), torch.arange(m).repeat_interleave(per)) else 0
         self._handles: list = []
         self._inside = False
 
@@ -228,8 +235,12 @@ class PopulationPerturbation:
             idx = self._rows(x)
             rows = x.shape[0]
             if a is not None:
-                xs = x.reshape(rows, -1, x.shape[-1])
-                delta = torch.bmm(torch.bmm(xs, b[idx]), a[idx].transpose(1, 2))  # (rows, seq, out)
+                if self._per_member:  # (M, P * seq, in) @ (M, in, r) @ (M, r, out): no per-row copies
+                    xs = x.reshape(a.shape[0], -1, x.shape[-1])
+                    delta = torch.bmm(torch.bmm(xs, b), a.transpose(1, 2))
+                else:
+                    xs = x.reshape(rows, -1, x.shape[-1])
+                    delta = torch.bmm(torch.bmm(xs, b[idx]), a[idx].transpose(1, 2))  # (rows, seq, out)
                 out = out + delta.view(out.shape)
             if bias is not None:
                 out = out + bias[idx].view(rows, *([1] * (out.dim() - 2)), -1)

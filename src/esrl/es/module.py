@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import time
-from statistics import fmean
 from typing import Any
 
 import torch
 
 from esrl.es.config import ESConfig
-from esrl.es.lowrank import PopulationPerturbation, member_chunks
+from esrl.es.lowrank import member_chunks
 from esrl.es.noise import population
 from esrl.es.seed_log import append_record, make_header, make_record, write_seed_log
-from esrl.es.setup import build_optimizer, build_selection
+from esrl.es.setup import build_optimizer, build_policy, build_selection, population_perturbation
 from esrl.es.shaping import shape_fitness
 from esrl.es.update import Perturber, es_step, weights_checksum
 from esrl.policy import PolicyConfig, PolicyModule, world_info
@@ -29,6 +28,7 @@ class ESModule(PolicyModule):
     mode `full`: member by member, weights perturbed in place. mode `lowrank`: the members run in fixed chunks
     (rollout.max_batch_size // prompts members each), each chunk ONE batched generate with per-row low-rank
     terms; rank r evaluates chunks r, r+W, ..., so results do not depend on the number of processes.
+    mode `lora`: ES on the weights of a LoRA adapter (esrl.es.lora), chunked and batched like lowrank.
     """
 
     def __init__(self, policy: PolicyConfig | None = None, rollout: RolloutConfig | None = None,
@@ -45,6 +45,8 @@ class ESModule(PolicyModule):
     def configure_model(self) -> None:
         super().configure_model()
         if self.selection is None:
+            # lora: the policy becomes the PEFT model; the adapter is injected into the engine's model in place.
+            self.policy = build_policy(self.policy, self.es, self.noise_seed)
             self.selection, self.noise_spec = build_selection(self.policy, self.es)
             # Plain full/global mode keeps the paper's original code path (no spec).
             plain = self.es.mode == "full" and self.es.sigma_scaling == "global"
@@ -52,7 +54,16 @@ class ESModule(PolicyModule):
             if self.rollout_config.engine == "vllm":  # vLLM: perturb, restore and update inside the engine
                 from esrl.rollout.vllm import EngineES
 
-                self.perturber = EngineES(self.engine, self.selection, self.es)
+                self.perturber = EngineES(self.engine, self.selection, self.es, policy=self.policy)
+
+    def engine_options(self) -> dict[str, Any]:
+        """vLLM: lowrank members run as LoRA adapters (esrl.rollout.vllm); unsupported combinations fail here,
+        before the engine starts."""
+        if self.rollout_config.engine != "vllm":
+            return {}
+        from esrl.rollout.vllm import es_engine_options
+
+        return es_engine_options(self.es, self.policy)  # the policy is loaded, the engine not yet built
 
     def configure_optimizers(self):
         return build_optimizer(self.selection.params, self.es)
@@ -61,21 +72,32 @@ class ESModule(PolicyModule):
         """Members per batched generate: rollout.max_batch_size // prompts (at least 1); never the world size."""
         return max(1, self.rollout_config.max_batch_size // max(1, n_prompts))
 
-    def chunk_fitness(self, rows: list[dict[str, Any]], chunk, stop: list[str]) -> list[float]:
-        """Mean task reward of each member of one chunk, all evaluated in one batched generation."""
+    def member_scores(self, rows: list[dict[str, Any]], texts: list[str], n_members: int) -> torch.Tensor:
+        """(n_members, 4): each member's fitness (mean task reward) and, for tasks with a cost, its mean raw
+        reward, mean cost and safe fraction (cost <= 0). Texts are member-major, len(rows) per member."""
+        with self.timed("reward"):
+            rewards = self.task.rewards([r for _ in range(n_members) for r in rows], texts)
+        scores = torch.zeros(n_members, 4, dtype=torch.float64)
+        scores[:, 0] = torch.tensor(rewards, dtype=torch.float64).view(n_members, -1).mean(1)
+        constraint = self.constraint
+        if constraint is not None:  # fitness = mean reward - lambda * mean cost (lambda fixed within the iteration)
+            raw = torch.tensor(constraint.last_rewards, dtype=torch.float64).view(n_members, -1)
+            cost = torch.tensor(constraint.last_costs, dtype=torch.float64).view(n_members, -1)
+            scores[:, 1], scores[:, 2], scores[:, 3] = raw.mean(1), cost.mean(1), (cost <= 0).double().mean(1)
+        return scores
+
+    def chunk_fitness(self, rows: list[dict[str, Any]], chunk, stop: list[str]) -> torch.Tensor:
+        """member_scores of every member of one chunk, all evaluated in one batched generation."""
         prompts = self.task.prompts(rows)
 
         def perturbation(row_member: torch.Tensor):
-            return PopulationPerturbation(self.policy, self.selection, self.noise_spec, chunk, row_member)
+            return population_perturbation(self.policy, self.selection, self.noise_spec, chunk, row_member)
 
         with self.timed("rollout"):
             completions = self.engine.generate_population(prompts, len(chunk), perturbation,
                                                           max_new_tokens=self.rollout_config.max_new_tokens,
                                                           stop=stop)
-        with self.timed("reward"):
-            flat = self.task.rewards([r for _ in chunk for r in rows], [c.text for cs in completions for c in cs])
-        p = len(rows)
-        return [fmean(flat[i * p:(i + 1) * p]) for i in range(len(chunk))]
+        return self.member_scores(rows, [c.text for cs in completions for c in cs], len(chunk))
 
     @property
     def noise_seed(self) -> int:
@@ -83,8 +105,8 @@ class ESModule(PolicyModule):
         return self.seed_or_global(self.es.seed)
 
 
-    def member_fitness(self, rows: list[dict[str, Any]], member, stop: list[str]) -> float:
-        """Mean task reward of one member on the iteration's prompts; weights are restored however it ends."""
+    def member_fitness(self, rows: list[dict[str, Any]], member, stop: list[str]) -> torch.Tensor:
+        """member_scores of one member on the iteration's prompts; weights are restored however it ends."""
         prompts = self.task.prompts(rows)
         with self.timed("noise"):
             self.perturber.perturb(member, self.es.sigma)  # sigma_scaling (rms) comes from the spec
@@ -92,12 +114,11 @@ class ESModule(PolicyModule):
             with self.timed("rollout"):
                 completions = self.engine.generate(prompts, max_new_tokens=self.rollout_config.max_new_tokens,
                                                    greedy=True, stop=stop)
-            with self.timed("reward"):
-                rewards = self.task.rewards(rows, [c.text for c in completions])
+            scores = self.member_scores(rows, [c.text for c in completions], 1)[0]
         finally:
             with self.timed("noise"):
                 self.perturber.restore()
-        return fmean(rewards)
+        return scores
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         self._timings = {}
@@ -110,8 +131,8 @@ class ESModule(PolicyModule):
 
         # Members r, r+W, ... (full) or chunks r, r+W, ... (lowrank) on rank r; every rank fills its own
         # entries, the sum gathers them exactly.
-        local = torch.zeros(len(members), dtype=torch.float64)
-        if self.es.mode == "lowrank":
+        local = torch.zeros(len(members), 4, dtype=torch.float64)
+        if self.es.mode in ("lowrank", "lora"):  # population-batched modes
             for chunk in member_chunks(members, self.members_per_chunk(len(rows)))[rank::world]:
                 for m, f in zip(chunk, self.chunk_fitness(rows, chunk, stop)):
                     local[m.index] = f
@@ -119,7 +140,8 @@ class ESModule(PolicyModule):
             for m in members[rank::world]:
                 local[m.index] = self.member_fitness(rows, m, stop)
         with self.timed("sync"):
-            fitness = self.trainer.strategy.sum_across_ranks(local) if world > 1 else local
+            scores = self.trainer.strategy.sum_across_ranks(local) if world > 1 else local
+        fitness = scores[:, 0]
         shaped = shape_fitness(fitness, self.es.shaping)
 
         with self.timed("update"):
@@ -139,7 +161,12 @@ class ESModule(PolicyModule):
                 self.check_drift()
 
         alpha = opt.optimizer.param_groups[0]["lr"]
-        self._log_iteration(fitness, shaped, alpha, time.perf_counter() - start)
+        constrained = {}
+        if self.constraint is not None:  # every rank holds all members' costs: lambda stays equal across ranks
+            constrained = self.adapt_lambda(float(scores[:, 2].sum()), len(members))
+            constrained.update({"train/raw_reward_mean": float(scores[:, 1].mean()),
+                                "train/safe_frac": float(scores[:, 3].mean())})
+        self._log_iteration(fitness, shaped, alpha, time.perf_counter() - start, constrained)
         if self.trainer.is_global_zero:
             self._append_seed_log(iteration, members, shaped, alpha)
 
@@ -149,12 +176,14 @@ class ESModule(PolicyModule):
             raise WeightDriftError(f"ES weights differ across ranks at iteration {self.global_step}: "
                                    f"checksums {sums.tolist()}")
 
-    def _log_iteration(self, fitness: torch.Tensor, shaped: torch.Tensor, alpha: float, total: float) -> None:
+    def _log_iteration(self, fitness: torch.Tensor, shaped: torch.Tensor, alpha: float, total: float,
+                       extra: dict[str, float]) -> None:
         f = fitness.float()
         metrics = {"train/reward_mean": f.mean(), "train/reward_std": f.std(unbiased=False),
                    "train/reward_min": f.min(), "train/reward_max": f.max(),
                    "train/shaped_abs_mean": shaped.abs().mean().float(), "train/alpha": alpha,
                    "train/sigma": self.es.sigma}
+        metrics.update(extra)
         metrics.update({f"time/{k}": v for k, v in self._timings.items()})
         metrics["time/iteration"] = total
         self.log_dict({k: float(v) for k, v in metrics.items()}, on_step=True, on_epoch=False, rank_zero_only=True)
@@ -167,14 +196,29 @@ class ESModule(PolicyModule):
         self.seed_log_records.append(record)
         append_record(self.run_dir() / "seed_log.jsonl", record)
 
+    def on_fit_end(self) -> None:
+        """lora: the adapter in PEFT format under final/adapter/ and the merged model in final/."""
+        if self.es.mode != "lora":
+            return super().on_fit_end()
+        from esrl.es.lora import save_final
+
+        if self.trainer.is_global_zero:
+            save_final(self.policy, self.tokenizer, self.run_dir() / "final")
+        self.trainer.strategy.barrier("final")
+
     def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.trainer.ckpt_path is not None and hasattr(self.perturber, "sync"):  # vLLM: the resumed weights
+            self.perturber.sync()
         # A resumed run rewrites the history restored from its checkpoint, so its log is complete.
         if self.trainer.is_global_zero:
             write_seed_log(self.run_dir() / "seed_log.jsonl",
                            make_header(self.es, self.noise_seed, self.policy_config), self.seed_log_records)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
         checkpoint["esrl_es"] = {"noise_seed": self.noise_seed, "seed_log": self.seed_log_records}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
         self.seed_log_records = list(checkpoint.get("esrl_es", {}).get("seed_log", []))

