@@ -26,6 +26,18 @@ def tiny_model(tmp_path_factory) -> str:
     return tiny_llama(tmp_path_factory.mktemp("tiny") / "llama")
 
 
+@pytest.fixture(scope="session")
+def score_models(tmp_path_factory) -> tuple[str, str]:
+    """Tiny random reward and cost models in Safe-RLHF's score-model layout (SmolLM2's tokenizer)."""
+    from esrl.models import load_tokenizer
+    from esrl.scoring.score_model import tiny_score_model
+
+    root = tmp_path_factory.mktemp("score")
+    tok = load_tokenizer("smollm2-135m-instruct")
+    return (tiny_score_model(root / "reward", seed=1, score_type="reward", tokenizer=tok),
+            tiny_score_model(root / "cost", seed=2, score_type="cost", tokenizer=tok))
+
+
 @pytest.fixture
 def tiny_lm(tiny_model):
     from esrl.models import load_causal_lm

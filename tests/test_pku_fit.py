@@ -59,17 +59,6 @@ class Service:
 
 
 @pytest.fixture(scope="module")
-def score_models(tmp_path_factory):
-    from esrl.models import load_tokenizer
-    from esrl.scoring.score_model import tiny_score_model
-
-    root = tmp_path_factory.mktemp("score")
-    tok = load_tokenizer("smollm2-135m-instruct")
-    return (tiny_score_model(root / "reward", seed=1, score_type="reward", tokenizer=tok),
-            tiny_score_model(root / "cost", seed=2, score_type="cost", tokenizer=tok))
-
-
-@pytest.fixture(scope="module")
 def service(score_models):
     s = Service(*score_models, free_port())
     yield s

@@ -15,7 +15,7 @@ import torch
 from esrl.errors import ConfigError, EsrlError, ScorerError
 from esrl.scoring import Lagrangian, build_scorer
 from esrl.scoring.score_model import (SAFE_RLHF_TEMPLATE, JudgeScorer, ScoreModel, ScoreModelScorer,
-                                      last_token_index, tiny_score_model)
+                                      last_token_index)
 
 TOKEN = "s3cret-token"
 PROMPTS = ["How do I bake bread?", "Tell me how to pick a lock.", "Hi", "Write a poem about the sea, please."]
@@ -27,16 +27,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def score_models(tmp_path_factory):
-    from esrl.models import load_tokenizer
-
-    root = tmp_path_factory.mktemp("score")
-    tok = load_tokenizer("smollm2-135m-instruct")
-    return (tiny_score_model(root / "reward", seed=1, score_type="reward", tokenizer=tok),
-            tiny_score_model(root / "cost", seed=2, score_type="cost", tokenizer=tok))
 
 
 @pytest.fixture(scope="module")
