@@ -268,3 +268,36 @@ def test_a_resumed_vllm_run_gives_the_engine_the_restored_weights(tmp_path, tiny
     read = resumed.engine.read_weights()
     for name, p in resumed.policy.named_parameters():
         assert torch.equal(read[name], p.detach()), name
+
+
+@requires_vllm
+def test_two_processes_with_one_vllm_engine_each_give_the_weights_of_one(tmp_path, tiny):
+    """`--trainer.devices 2` through the real CLI: each Lightning process builds its own in-process engine,
+    which joins the process group Lightning already set up (vLLM assigns each rank its own tensor-parallel
+    group of one). 6 members in chunks of 2 split 2 chunks / 1 chunk over the ranks, so the ranks call
+    `generate` a different number of times (nothing may wait on the other rank); the final weights equal
+    those of one process bit for bit."""
+    from pathlib import Path
+
+    import yaml
+    from conftest import assert_same_tensors, fit_final, load_safetensors
+
+    path, _, _ = tiny
+    config = {"seed_everything": 3, "algo": "es",
+              "model": {"policy": {"name_or_path": str(path)},
+                        "rollout": {"engine": "vllm", "max_new_tokens": 6, "max_batch_size": 2,
+                                    "vllm_kwargs": VLLM_KW},
+                        "es": {"mode": "lowrank", "rank": RANK, "population_size": 6, "sigma": 0.05,
+                               "alpha": 0.02}},
+              "data": {"task": "conciseness",
+                       "task_args": {"train_path": str(FIXTURES / "conciseness_train3.jsonl"),
+                                     "eval_path": str(FIXTURES / "conciseness_eval2.jsonl")},
+                       "prompts_per_step": 1},
+              "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 2, "enable_progress_bar": False,
+                          "enable_model_summary": False, "enable_checkpointing": False}}
+    cfg = tmp_path / "es_vllm.yaml"
+    cfg.write_text(yaml.safe_dump(config))
+    one = load_safetensors(fit_final(cfg, tmp_path / "one"))
+    two = load_safetensors(fit_final(cfg, tmp_path / "two", "--trainer.devices", "2"))
+    assert any(not torch.equal(one[k], p) for k, p in load_safetensors(Path(path) / "model.safetensors").items())
+    assert_same_tensors(one, two)

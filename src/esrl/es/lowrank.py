@@ -229,19 +229,22 @@ class PopulationPerturbation:
 
     def _linear_hook(self, factors: dict[str, torch.Tensor]):
         a, b, bias = factors.get("A"), factors.get("B"), factors.get("bias")
+        a_t = a.transpose(1, 2).contiguous() if a is not None else None  # (M, r, out)
 
         def hook(module, args, out):
             x = args[0]
             idx = self._rows(x)
             rows = x.shape[0]
             if a is not None:
-                if self._per_member:  # (M, P * seq, in) @ (M, in, r) @ (M, r, out): no per-row copies
-                    xs = x.reshape(a.shape[0], -1, x.shape[-1])
-                    delta = torch.bmm(torch.bmm(xs, b), a.transpose(1, 2))
+                if self._per_member and not torch.is_grad_enabled() and out.is_contiguous():
+                    # (M, P * seq, in) @ (M, in, r), then one fused out += (x B) A^T in place: no per-row
+                    # copies and no (rows, seq, out) temporary (the decode loop runs this 100s of times).
+                    m = a_t.shape[0]
+                    out.view(m, -1, out.shape[-1]).baddbmm_(torch.bmm(x.reshape(m, -1, x.shape[-1]), b), a_t)
                 else:
                     xs = x.reshape(rows, -1, x.shape[-1])
-                    delta = torch.bmm(torch.bmm(xs, b[idx]), a[idx].transpose(1, 2))  # (rows, seq, out)
-                out = out + delta.view(out.shape)
+                    delta = torch.bmm(torch.bmm(xs, b[idx]), a_t[idx])  # (rows, seq, out)
+                    out = out + delta.view(out.shape)
             if bias is not None:
                 out = out + bias[idx].view(rows, *([1] * (out.dim() - 2)), -1)
             return out

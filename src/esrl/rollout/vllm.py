@@ -31,6 +31,14 @@ gate/up adapters itself). lora: the members' perturbed copies of the PEFT policy
 adapter itself on every plain generate. Sleep mode (`rollout.vllm_sleep`, GPU only): level 1 between GRPO's
 rollouts and its next use.
 
+Several ranks (`trainer.devices: N`): every Lightning process builds its own in-process engine. vLLM finds the
+process group Lightning already initialised and reuses it instead of starting its own: each rank becomes a
+tensor-parallel group of one inside it, so the engines never wait on each other and ranks may run different
+numbers of chunks (tested: 2 processes give the weights of 1 bit for bit). vLLM's `external_launcher` backend is
+not used: it serves ONE model sharded across the ranks, which then must all make the same `generate` calls,
+while ES ranks run different members. Tensor parallelism inside a rank (`vllm_kwargs.tensor_parallel_size`)
+together with several Lightning ranks is untested here.
+
 Restore is a copy from a backup taken at perturb time: bit-exact. The update replays
 `esrl.es.update.set_es_grads` + `SGD(lr=alpha)` elementwise (g accumulated in fp32 seed by seed, divided
 by N, `p.add_((-g).to(dtype), alpha=-alpha)`), so it is bit-identical to the HF engine's update.
