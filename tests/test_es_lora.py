@@ -114,7 +114,7 @@ def test_batched_logits_equal_explicitly_perturbed_adapter(tiny_model, tok, rows
     enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     with torch.no_grad():
         with LoraPopulation(model, sel, spec, members, row_member) as ctx:
-            assert ctx.blocked == (rows == "member-major")
+            assert bool(ctx.per_member) == (rows == "member-major")
             batched = model(**enc).logits
         base = model(**enc).logits  # hooks gone: the unperturbed adapter
         perturber = Perturber(sel, spec)

@@ -64,11 +64,11 @@ def test_rows_in_any_order_get_their_members_perturbation(tiny_lm, tok):
     perm = torch.randperm(row_member.numel(), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         grouped = PopulationPerturbation(tiny_lm, sel, spec, members, row_member)
-        assert grouped._per_member == len(PROMPTS)
+        assert grouped.per_member == len(PROMPTS)
         with grouped:
             expected = tiny_lm(**enc).logits
         shuffled = PopulationPerturbation(tiny_lm, sel, spec, members, row_member[perm])
-        assert shuffled._per_member == 0
+        assert shuffled.per_member == 0
         with shuffled:
             got = tiny_lm(input_ids=enc["input_ids"][perm], attention_mask=enc["attention_mask"][perm]).logits
     assert torch.allclose(got, expected[perm], atol=1e-5, rtol=0), (got - expected[perm]).abs().max()

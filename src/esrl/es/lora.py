@@ -34,8 +34,9 @@ from typing import Sequence
 import torch
 
 from esrl.es.lowrank import NoiseSpec, param_owners, tensor_scale
-from esrl.es.noise import Member, tensor_noise
+from esrl.es.noise import tensor_noise
 from esrl.es.params import ParamSelection, parse_layer_ranges
+from esrl.es.population_hooks import PopulationHooks
 
 _MASK63 = (1 << 63) - 1
 _ADAPTER = re.compile(r"\.lora_[AB]\.")
@@ -114,42 +115,14 @@ def lora_selection(selection: ParamSelection, include: Sequence[str] = ()) -> Pa
     return out
 
 
-class LoraPopulation:
+class LoraPopulation(PopulationHooks):
     """Forward hooks giving every batch row its member's perturbed adapter during one batched generate.
 
-    The same interface as esrl.es.lowrank.PopulationPerturbation: `members` are the chunk's members and
-    `row_member` (rows,) says which of them (0..len-1) each row uses. Every selected tensor must be the weight
-    of an nn.Linear (PEFT's lora_A / lora_B are).
+    The same interface as esrl.es.lowrank.PopulationPerturbation (esrl.es.population_hooks). Every selected
+    tensor must be the weight of an nn.Linear (PEFT's lora_A / lora_B are).
     """
 
-    def __init__(self, model: torch.nn.Module, selection: ParamSelection, spec: NoiseSpec,
-                 members: Sequence[Member], row_member: torch.Tensor):
-        if spec.mode != "lora":
-            raise ValueError(f"LoraPopulation needs mode lora, got {spec.mode!r}")
-        self.model = model
-        self.selection = selection
-        self.spec = spec
-        self.members = list(members)
-        self.row_member = row_member.long()
-        m = len(self.members)
-        rows = self.row_member.numel()
-        # Member-major blocks of equal size: each member's rows are one contiguous slice, no gather needed.
-        self.blocked = (m > 0 and rows % m == 0
-                        and torch.equal(self.row_member, torch.arange(m).repeat_interleave(rows // m)))
-        self._handles: list = []
-
-    def __enter__(self) -> "LoraPopulation":
-        try:
-            self._install()
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+    mode = "lora"
 
     @torch.no_grad()
     def _install(self) -> None:
@@ -173,15 +146,11 @@ class LoraPopulation:
 
         def hook(module, args, out):
             x = args[0]
-            rows = x.shape[0]
-            if rows != self.row_member.numel():
-                raise RuntimeError(f"population batch has {rows} rows, the row -> member map "
-                                   f"{self.row_member.numel()}")
-            if self.blocked:  # (M, rows/M * seq, in) @ (M, in, out)
+            idx = self._rows(x)
+            if self.per_member:  # (M, rows/M * seq, in) @ (M, in, out)
                 y = torch.bmm(x.reshape(m, -1, x.shape[-1]), weights.transpose(1, 2))
             else:
-                idx = self.row_member.to(x.device)
-                y = torch.bmm(x.reshape(rows, -1, x.shape[-1]), weights[idx].transpose(1, 2))
+                y = torch.bmm(x.reshape(x.shape[0], -1, x.shape[-1]), weights[idx].transpose(1, 2))
             y = y.view(out.shape)
             return y if module.bias is None else y + module.bias
 

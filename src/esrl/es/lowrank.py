@@ -39,6 +39,7 @@ import torch
 
 from esrl.es.noise import Member, tensor_noise
 from esrl.es.params import ParamSelection
+from esrl.es.population_hooks import PopulationHooks
 
 _MASK63 = (1 << 63) - 1
 
@@ -146,45 +147,19 @@ def lowrank_selection(model: torch.nn.Module, selection: ParamSelection, spec: N
 
 
 # -- population-batched perturbation ---------------------------------------------------------------------
-class PopulationPerturbation:
+class PopulationPerturbation(PopulationHooks):
     """Forward hooks that give every batch row its member's perturbation during one batched generate.
 
-    `members` are the chunk's members; `row_member` (rows,) says which of them (0..len-1) each row uses.
     Factors of all the chunk's members are generated on entry (M x (in + out) x r floats per matrix) and
-    freed on exit; the hooks are removed however the block exits, so the model is never left modified.
+    freed on exit (see esrl.es.population_hooks for `members`, `row_member` and the member-major fast path).
     """
+
+    mode = "lowrank"
 
     def __init__(self, model: torch.nn.Module, selection: ParamSelection, spec: NoiseSpec,
                  members: Sequence[Member], row_member: torch.Tensor):
-        if spec.mode != "lowrank":
-            raise ValueError(f"population batching needs mode lowrank, got {spec.mode!r}")
-        self.model = model
-        self.selection = selection
-        self.spec = spec
-        self.members = list(members)
-        self.row_member = row_member
-        # Member-major rows with the same count per member (what generate_population builds) let the hooks
-        # view x as (members, rows per member * seq, in) and use each member's factors without gathering them.
-        m = len(self.members)
-        per = row_member.numel() // m if m else 0
-        grouped = per > 0 and per * m == row_member.numel()
-        self._per_member = per if grouped and torch.equal(
-            row_member.cpu(), torch.arange(m).repeat_interleave(per)) else 0
-        self._handles: list = []
+        super().__init__(model, selection, spec, members, row_member)
         self._inside = False
-
-    def __enter__(self) -> "PopulationPerturbation":
-        try:
-            self._install()
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
 
     @torch.no_grad()
     def _install(self) -> None:
@@ -221,12 +196,6 @@ class PopulationPerturbation:
         for key, deltas in other.items():
             self._handles.append(modules[key].register_forward_hook(self._vector_hook(deltas), with_kwargs=True))
 
-    def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        idx = self.row_member.to(x.device)
-        if x.shape[0] != idx.numel():
-            raise RuntimeError(f"population batch has {x.shape[0]} rows, the row -> member map {idx.numel()}")
-        return idx
-
     def _linear_hook(self, factors: dict[str, torch.Tensor]):
         a, b, bias = factors.get("A"), factors.get("B"), factors.get("bias")
         a_t = a.transpose(1, 2).contiguous() if a is not None else None  # (M, r, out)
@@ -236,7 +205,7 @@ class PopulationPerturbation:
             idx = self._rows(x)
             rows = x.shape[0]
             if a is not None:
-                if self._per_member and not torch.is_grad_enabled() and out.is_contiguous():
+                if self.per_member and not torch.is_grad_enabled() and out.is_contiguous():
                     # (M, P * seq, in) @ (M, in, r), then one fused out += (x B) A^T in place: no per-row
                     # copies and no (rows, seq, out) temporary (the decode loop runs this 100s of times).
                     m = a_t.shape[0]
