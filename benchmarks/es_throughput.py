@@ -92,6 +92,19 @@ def worker(mode: str, args) -> dict:
     def rewards_of(completions_per_member):
         return [sum(task.rewards(rows, [c.text for c in cs])) / p for cs in completions_per_member]
 
+    def timed_iterations(sel, spec, factory):
+        """`args.repeats` whole population-batched iterations: one generate, rewards, the update (as ESModule)."""
+        opt = torch.optim.SGD(sel.params, lr=1e-3)
+        times, split, out = [], {}, None
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            out = engine.generate_population(prompts, n, factory, **gen)
+            t_gen = time.perf_counter()
+            es_step(opt, sel, members, shape_fitness(torch.tensor(rewards_of(out))), spec)
+            times.append(time.perf_counter() - start)
+            split = {"generate_s": round(t_gen - start, 2), "update_s": round(time.perf_counter() - t_gen, 2)}
+        return times, split, out
+
     if mode == "floor":
         times = []
         with PeakRSS() as mem:
@@ -107,18 +120,9 @@ def worker(mode: str, args) -> dict:
             q.requires_grad_(False)
         for q in sel.params:
             q.requires_grad_(True)
-        opt = torch.optim.SGD(sel.params, lr=1e-3)
-        times, split = [], {}
         with PeakRSS() as mem:
-            for _ in range(args.repeats):
-                start = time.perf_counter()
-                out = engine.generate_population(
-                    prompts, n, lambda rm: PopulationPerturbation(model, sel, spec, members, rm), **gen)
-                t_gen = time.perf_counter()
-                fitness = torch.tensor(rewards_of(out))
-                es_step(opt, sel, members, shape_fitness(fitness), spec)  # what ESModule runs
-                times.append(time.perf_counter() - start)
-                split = {"generate_s": round(t_gen - start, 2), "update_s": round(time.perf_counter() - t_gen, 2)}
+            times, split, out = timed_iterations(
+                sel, spec, lambda rm: PopulationPerturbation(model, sel, spec, members, rm))
         tokens = sum(len(c.token_ids) for cs in out for c in cs)
         result.update(split, rank=args.rank, perturbed_matrices=len(sel))
     elif mode == "lora":
@@ -129,18 +133,9 @@ def worker(mode: str, args) -> dict:
         cfg = ESConfig(mode="lora", sigma=0.01, lora_rank=args.lora_rank, lora_alpha=2 * args.lora_rank)
         peft_model = build_policy(model, cfg, 0)  # injected into `model` in place: the engine generates with it
         sel, spec = build_selection(peft_model, cfg)
-        opt = torch.optim.SGD(sel.params, lr=1e-3)
-        times, split = [], {}
         with PeakRSS() as mem:
-            for _ in range(args.repeats):
-                start = time.perf_counter()
-                out = engine.generate_population(
-                    prompts, n, lambda rm: LoraPopulation(peft_model, sel, spec, members, rm), **gen)
-                t_gen = time.perf_counter()
-                fitness = torch.tensor(rewards_of(out))
-                es_step(opt, sel, members, shape_fitness(fitness), spec)  # what ESModule runs
-                times.append(time.perf_counter() - start)
-                split = {"generate_s": round(t_gen - start, 2), "update_s": round(time.perf_counter() - t_gen, 2)}
+            times, split, out = timed_iterations(
+                sel, spec, lambda rm: LoraPopulation(peft_model, sel, spec, members, rm))
         tokens = sum(len(c.token_ids) for cs in out for c in cs)
         result.update(split, lora_rank=args.lora_rank, adapter_tensors=len(sel), adapter_params=sel.numel())
     elif mode == "full":
