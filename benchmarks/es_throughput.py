@@ -20,6 +20,11 @@ just before it (psutil).
 
     .venv/bin/python benchmarks/es_throughput.py [--members 30] [--new-tokens 100] [--repeats 2] [--modes ...]
 
+GPU run (issue #4): Qwen2.5-1.5B's architecture with random weights (built from its config, nothing downloaded),
+bf16, N=30, 8 prompts, 256 tokens, EOS ignored; memory is then the CUDA allocator's peak instead of RSS:
+
+    python benchmarks/es_throughput.py --model random:qwen2.5-1.5b --device cuda --prompts 8 --new-tokens 256
+
 Prints one line per mode, then one JSON line with the ratios.
 """
 
@@ -70,17 +75,53 @@ class PeakRSS:
         return (self.peak - self.start) / 2**20
 
 
+# Qwen2.5-1.5B's architecture (its config.json), for the GPU run with random weights: nothing is downloaded.
+QWEN25_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6,
+                  rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu")
+
+
+def build_model(name: str, device: str, dtype: str):
+    """The embedded model (or any esrl model id / path), or `random:qwen2.5-1.5b`: that architecture with random
+    weights (seed 0). The tokenizer is always the embedded SmolLM2 one: its ids fit in Qwen's vocabulary, and with
+    EOS ignored the timing does not depend on which tokens come out."""
+    from esrl.models import load_causal_lm
+
+    if name == "random:qwen2.5-1.5b":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = Qwen2ForCausalLM(Qwen2Config(**QWEN25_15B, torch_dtype=dtype)).to(getattr(torch, dtype))
+        model.name_or_path = name
+        return model.eval()
+    return load_causal_lm(name, dtype=dtype).to(device)
+
+
+def bench_rows(task, k: int) -> list:
+    """k conciseness rows: its 2 training prompts first, then its 8 eval prompts, cycling beyond 10."""
+    pool = list(task.train_rows) + list(task.eval_rows)
+    return [pool[i % len(pool)] for i in range(k)]
+
+
+def peak_memory_mb(device: str) -> float:
+    """The process's peak memory: RSS high-water on CPU, the CUDA caching allocator's peak on a GPU."""
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def worker(mode: str, args) -> dict:
     from esrl.es import (NoiseSpec, Perturber, PopulationPerturbation, es_step, lowrank_selection, population,
                          select_params, shape_fitness)
-    from esrl.models import load_causal_lm, load_tokenizer
+    from esrl.models import load_tokenizer
     from esrl.rollout import HFEngine
     from esrl.tasks import build_task
 
-    model = load_causal_lm("smollm2-135m-instruct")
+    model = build_model(args.model, args.device, args.dtype)
     tok = load_tokenizer("smollm2-135m-instruct")
     task = build_task("conciseness")
-    rows = task.train_rows[:2]
+    rows = bench_rows(task, args.prompts)
     prompts = task.prompts(rows)
     n, p, t = args.members, len(prompts), args.new_tokens
     engine = HFEngine(model, tok, max_batch_size=n * p)
@@ -167,7 +208,7 @@ def worker(mode: str, args) -> dict:
     best = min(times)
     result.update(seconds=round(best, 2), all_seconds=[round(x, 2) for x in times], tokens=tokens,
                   tokens_per_s=round(tokens / best, 1),
-                  peak_rss_mb=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                  peak_rss_mb=round(peak_memory_mb(args.device), 1),
                   peak_delta_mb=round(mem.delta_mb, 1))
     return result
 
@@ -177,6 +218,12 @@ def main() -> None:
     ap.add_argument("--members", type=int, default=30)
     ap.add_argument("--new-tokens", type=int, default=100)
     ap.add_argument("--rank", type=int, default=1)
+    ap.add_argument("--prompts", type=int, default=2, help="prompts per member (the 2 conciseness training "
+                    "prompts, then its eval prompts)")
+    ap.add_argument("--model", default="smollm2-135m-instruct",
+                    help="an esrl model id or path, or random:qwen2.5-1.5b (that architecture, random weights)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--lora-rank", type=int, default=8, help="lora: adapter rank (lora_alpha = 2 x rank)")
     ap.add_argument("--repeats", type=int, default=2, help="timed repeats of floor, lowrank and lora (best is kept)")
     ap.add_argument("--full-members", type=int, default=3, help="full mode: members actually timed")
@@ -187,15 +234,20 @@ def main() -> None:
     es_throughput_vllm.add_arguments(ap, shared=False)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     if args.worker:
         print("RESULT " + json.dumps(worker(args.worker, args)), flush=True)
         return
     machine = {"nproc": os.cpu_count(), "cpu": _cpu_model(), "torch": torch.__version__,
-               "torch_threads": torch.get_num_threads(), "python": platform.python_version()}
+               "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+               "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+               "model": args.model, "dtype": args.dtype}
     print(json.dumps({"machine": machine}))
     results = {}
     passthrough = [f"--members={args.members}", f"--new-tokens={args.new_tokens}", f"--rank={args.rank}", f"--lora-rank={args.lora_rank}",
-                   f"--repeats={args.repeats}", f"--full-members={args.full_members}"]
+                   f"--repeats={args.repeats}", f"--full-members={args.full_members}",
+                   f"--prompts={args.prompts}", f"--model={args.model}", f"--device={args.device}",
+                   f"--dtype={args.dtype}"]
     for mode in args.modes.split(",") if "hf" in args.engines.split(",") else []:
         out = subprocess.run([sys.executable, __file__, "--worker", mode, *passthrough], capture_output=True,
                              text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
@@ -204,7 +256,8 @@ def main() -> None:
             sys.exit(f"{mode} failed:\n{out.stderr[-3000:]}")
         results[mode] = json.loads(line[len("RESULT "):])
         print(json.dumps(results[mode]), flush=True)
-    summary = {"benchmark": "es_throughput", "members": args.members, "prompts": 2, "new_tokens": args.new_tokens,
+    summary = {"benchmark": "es_throughput", "members": args.members, "prompts": args.prompts,
+               "new_tokens": args.new_tokens,
                **machine}
     if "floor" in results and "lowrank" in results:
         summary["lowrank_over_floor_time"] = round(results["lowrank"]["seconds"] / results["floor"]["seconds"], 3)
