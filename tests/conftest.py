@@ -45,6 +45,31 @@ def tiny_lm(tiny_model):
     return load_causal_lm(tiny_model)
 
 
+def write_tiny_config(path: Path, model: str, *, seed: int = 3, prompts_per_step: int = 1, max_steps: int = 2,
+                      rollout: dict | None = None, es: dict | None = None, grpo: dict | None = None,
+                      trainer: dict | None = None) -> Path:
+    """A `esrl fit` YAML for the tests' tiny runs: the conciseness fixtures (3 train, 2 eval prompts) on `model`
+    on CPU, no progress bar, no summary, no checkpoints unless `trainer` says otherwise; the given sections
+    are merged over those defaults."""
+    import yaml
+
+    model_section = {"policy": {"name_or_path": str(model)}, "rollout": {"max_new_tokens": 6, **(rollout or {})}}
+    model_section.update({k: v for k, v in (("es", es), ("grpo", grpo)) if v is not None})
+    config = {
+        "seed_everything": seed,
+        "algo": "es",
+        "model": model_section,
+        "data": {"task": "conciseness",
+                 "task_args": {"train_path": str(FIXTURES / "conciseness_train3.jsonl"),
+                               "eval_path": str(FIXTURES / "conciseness_eval2.jsonl")},
+                 "prompts_per_step": prompts_per_step},
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": max_steps, "enable_progress_bar": False,
+                    "enable_model_summary": False, "enable_checkpointing": False, **(trainer or {})},
+    }
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
 def run_esrl(*args: str, timeout: float = 300, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """Run the real CLI in a fresh process (as a user would), capturing its output."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

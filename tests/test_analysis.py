@@ -12,8 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
-from conftest import FIXTURES, ROOT, run_esrl
+from conftest import FIXTURES, ROOT, run_esrl, write_tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -24,25 +23,11 @@ TASK_ARGS = ["--task", "conciseness", "--task-arg", f"eval_path={FIXTURES / 'con
 
 @pytest.fixture(scope="module")
 def config(tiny_model, tmp_path_factory) -> Path:
-    config = {
-        "seed_everything": 0,
-        "algo": "es",
-        "model": {"policy": {"name_or_path": tiny_model},
-                  "rollout": {"max_new_tokens": TOKENS},
-                  "es": {"population_size": 2, "sigma": 0.05, "alpha": 0.02},
-                  "grpo": {"num_generations": 2, "learning_rate": 1e-2, "beta": 0.0}},
-        "data": {"task": "conciseness",
-                 "task_args": {"train_path": str(FIXTURES / "conciseness_train3.jsonl"),
-                               "eval_path": str(FIXTURES / "conciseness_eval2.jsonl")},
-                 "prompts_per_step": 1},
-        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 2, "enable_progress_bar": False,
-                    "enable_model_summary": False, "enable_checkpointing": False,
-                    "callbacks": [{"class_path": "esrl.callbacks.Evaluation",
-                                   "init_args": {"num_samples": 2, "kl": True}}]},
-    }
-    path = tmp_path_factory.mktemp("cfg") / "tiny.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return write_tiny_config(
+        tmp_path_factory.mktemp("cfg") / "tiny.yaml", tiny_model, seed=0, rollout={"max_new_tokens": TOKENS},
+        es={"population_size": 2, "sigma": 0.05, "alpha": 0.02},
+        grpo={"num_generations": 2, "learning_rate": 1e-2, "beta": 0.0},
+        trainer={"callbacks": [{"class_path": "esrl.callbacks.Evaluation", "init_args": {"num_samples": 2, "kl": True}}]})
 
 
 @pytest.fixture(scope="module")

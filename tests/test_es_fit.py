@@ -6,8 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
-from conftest import FIXTURES, assert_same_tensors, fit_final, load_safetensors, run_esrl
+from conftest import assert_same_tensors, fit_final, load_safetensors, run_esrl, write_tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -17,27 +16,14 @@ STEPS = 4
 @pytest.fixture(scope="module")
 def es_config(tiny_model, tmp_path_factory) -> Path:
     """A tiny ES run: 3 training prompts, one per step, so step 2 is in the middle of an epoch."""
-    config = {
-        "seed_everything": 3,
-        "algo": "es",
-        "model": {"policy": {"name_or_path": tiny_model},
-                  "rollout": {"max_new_tokens": 6},
-                  "es": {"population_size": 4, "sigma": 0.05, "alpha": 0.02, "checksum_every": 1}},
-        "data": {"task": "conciseness",
-                 "task_args": {"train_path": str(FIXTURES / "conciseness_train3.jsonl"),
-                               "eval_path": str(FIXTURES / "conciseness_eval2.jsonl")},
-                 "prompts_per_step": 1},
-        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": STEPS, "enable_progress_bar": False,
-                    "enable_model_summary": False,
-                    "callbacks": [{"class_path": "esrl.callbacks.Evaluation",
-                                   "init_args": {"every_n_steps": 2, "num_samples": 2, "kl": True}},
-                                  {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                                   "init_args": {"every_n_train_steps": 1, "save_top_k": -1,
-                                                 "filename": "{step}"}}]},
-    }
-    path = tmp_path_factory.mktemp("cfg") / "es_tiny.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return write_tiny_config(
+        tmp_path_factory.mktemp("cfg") / "es_tiny.yaml", tiny_model, max_steps=STEPS,
+        es={"population_size": 4, "sigma": 0.05, "alpha": 0.02, "checksum_every": 1},
+        trainer={"enable_checkpointing": True,
+                 "callbacks": [{"class_path": "esrl.callbacks.Evaluation",
+                                "init_args": {"every_n_steps": 2, "num_samples": 2, "kl": True}},
+                               {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                                "init_args": {"every_n_train_steps": 1, "save_top_k": -1, "filename": "{step}"}}]})
 
 
 @pytest.fixture(scope="module")

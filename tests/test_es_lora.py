@@ -8,10 +8,11 @@ adapter are compared exactly.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-import yaml
-from conftest import FIXTURES, assert_same_tensors, fit_final, load_safetensors, run_esrl
+from conftest import FIXTURES, assert_same_tensors, fit_final, load_safetensors, run_esrl, write_tiny_config
 
 from esrl.errors import ConfigError
 from esrl.es import Perturber, member_chunks, population, set_es_grads, shape_fitness
@@ -224,26 +225,14 @@ STEPS = 2
 
 @pytest.fixture(scope="module")
 def lora_config(tiny_model, tmp_path_factory):
-    config = {
-        "seed_everything": 5,
-        "algo": "es",
-        "model": {"policy": {"name_or_path": tiny_model},
-                  "rollout": {"max_new_tokens": 6, "max_batch_size": 2},  # 1 prompt/step: 2 members a chunk
-                  "es": {"mode": "lora", "lora_rank": 4, "population_size": 4, "sigma": 0.5, "alpha": 0.05,
-                         "optimizer": "adam", "checksum_every": 1}},
-        "data": {"task": "conciseness",
-                 "task_args": {"train_path": str(FIXTURES / "conciseness_train3.jsonl"),
-                               "eval_path": str(FIXTURES / "conciseness_eval2.jsonl")},
-                 "prompts_per_step": 1},
-        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": STEPS, "enable_progress_bar": False,
-                    "enable_model_summary": False,
-                    "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                                   "init_args": {"every_n_train_steps": 1, "save_top_k": -1,
-                                                 "filename": "{step}"}}]},
-    }
-    path = tmp_path_factory.mktemp("cfg") / "es_lora.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return write_tiny_config(
+        tmp_path_factory.mktemp("cfg") / "es_lora.yaml", tiny_model, seed=5, max_steps=STEPS,
+        rollout={"max_batch_size": 2},  # 1 prompt/step: 2 members a chunk
+        es={"mode": "lora", "lora_rank": 4, "population_size": 4, "sigma": 0.5, "alpha": 0.05, "optimizer": "adam",
+            "checksum_every": 1},
+        trainer={"enable_checkpointing": True,
+                 "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                                "init_args": {"every_n_train_steps": 1, "save_top_k": -1, "filename": "{step}"}}]})
 
 
 @pytest.fixture(scope="module")
@@ -263,7 +252,7 @@ def test_final_holds_the_peft_adapter_and_the_merged_model(lora_run, tiny_model,
     assert any(".lora_B." in k and v.any() for k, v in adapter.items())  # trained: B moved off zero
     peft_model = PeftModel.from_pretrained(load_causal_lm(tiny_model), lora_run / "adapter")
     merged = load_causal_lm(str(lora_run))  # final/ is a plain HF model
-    base = load_safetensors(__import__("pathlib").Path(tiny_model) / "model.safetensors")
+    base = load_safetensors(Path(tiny_model) / "model.safetensors")
     final = load_safetensors(lora_run / "model.safetensors")
     assert final.keys() == base.keys()
     assert torch.equal(final["model.embed_tokens.weight"], base["model.embed_tokens.weight"])

@@ -8,11 +8,11 @@ copies within atol 1e-6; greedy completions and fitness are compared exactly.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
-import yaml
-from conftest import FIXTURES, assert_same_tensors, load_safetensors, run_esrl
+from conftest import FIXTURES, assert_same_tensors, fit_final, load_safetensors, write_tiny_config
 
 from esrl.es import (NoiseSpec, Perturber, PopulationPerturbation, lowrank_factors, lowrank_selection, member_chunks,
                      population, select_params, set_es_grads, shape_fitness)
@@ -214,39 +214,18 @@ def test_bad_lowrank_config_is_one_clear_error():
 # -- through the real CLI ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def lowrank_config(tiny_model, tmp_path_factory):
-    config = {
-        "seed_everything": 5,
-        "algo": "es",
-        "model": {"policy": {"name_or_path": tiny_model},
-                  "rollout": {"max_new_tokens": 6, "max_batch_size": 2},  # 1 prompt/step: 2 members a chunk
-                  "es": {"mode": "lowrank", "rank": 2, "population_size": 4, "sigma": 0.05, "alpha": 0.02,
-                         "checksum_every": 1}},
-        "data": {"task": "conciseness",
-                 "task_args": {"train_path": str(FIXTURES / "conciseness_train3.jsonl"),
-                               "eval_path": str(FIXTURES / "conciseness_eval2.jsonl")},
-                 "prompts_per_step": 1},
-        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 2, "enable_progress_bar": False,
-                    "enable_model_summary": False, "enable_checkpointing": False},
-    }
-    path = tmp_path_factory.mktemp("cfg") / "es_lowrank.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
-def _fit(config, root, *extra):
-    out = run_esrl("fit", "--config", config, "--trainer.default_root_dir", root, *extra)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    finals = list(root.rglob("final/model.safetensors"))
-    assert len(finals) == 1, finals
-    return finals[0]
+    return write_tiny_config(tmp_path_factory.mktemp("cfg") / "es_lowrank.yaml", tiny_model, seed=5,
+                             rollout={"max_batch_size": 2},  # 1 prompt/step: 2 members a chunk
+                             es={"mode": "lowrank", "rank": 2, "population_size": 4, "sigma": 0.05, "alpha": 0.02,
+                                 "checksum_every": 1})
 
 
 @pytest.mark.slow
 def test_lowrank_two_processes_give_the_weights_of_one(lowrank_config, tiny_model, tmp_path):
-    one = load_safetensors(_fit(lowrank_config, tmp_path / "one"))
-    two = load_safetensors(_fit(lowrank_config, tmp_path / "two", "--trainer.devices", "2"))
+    one = load_safetensors(fit_final(lowrank_config, tmp_path / "one"))
+    two = load_safetensors(fit_final(lowrank_config, tmp_path / "two", "--trainer.devices", "2"))
     assert_same_tensors(one, two)
-    base = load_safetensors(__import__("pathlib").Path(tiny_model) / "model.safetensors")
+    base = load_safetensors(Path(tiny_model) / "model.safetensors")
     assert torch.equal(base["model.embed_tokens.weight"], one["model.embed_tokens.weight"])  # tied: frozen
     assert not torch.equal(base["model.layers.0.mlp.up_proj.weight"], one["model.layers.0.mlp.up_proj.weight"])
     log = (tmp_path / "one").rglob("seed_log.jsonl").__next__().read_text().splitlines()

@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
-from conftest import FIXTURES, assert_same_tensors, fit_final, load_safetensors, run_esrl
+from conftest import assert_same_tensors, fit_final, load_safetensors, run_esrl, write_tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -18,23 +17,10 @@ STEPS = 3
 def grpo_config(tiny_model, tmp_path_factory) -> Path:
     """A tiny GRPO run that goes through every branch of a step: a frozen reference (beta > 0), two
     optimizer steps per rollout batch (old log-probs, clipping) and the default linear LR schedule."""
-    config = {
-        "seed_everything": 3,
-        "algo": "es",  # --algo grpo on the command line swaps the algorithm, as a user would
-        "model": {"policy": {"name_or_path": tiny_model},
-                  "rollout": {"max_new_tokens": 6, "temperature": 1.0},
-                  "es": {"population_size": 4},
-                  "grpo": {"num_generations": 4, "learning_rate": 1e-3, "beta": 0.04, "num_iterations": 2}},
-        "data": {"task": "conciseness",
-                 "task_args": {"train_path": str(FIXTURES / "conciseness_train3.jsonl"),
-                               "eval_path": str(FIXTURES / "conciseness_eval2.jsonl")},
-                 "prompts_per_step": 2},
-        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": STEPS, "enable_progress_bar": False,
-                    "enable_model_summary": False, "enable_checkpointing": False},
-    }
-    path = tmp_path_factory.mktemp("cfg") / "grpo_tiny.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return write_tiny_config(
+        tmp_path_factory.mktemp("cfg") / "grpo_tiny.yaml", tiny_model, prompts_per_step=2, max_steps=STEPS,
+        rollout={"temperature": 1.0}, es={"population_size": 4},  # algo: es; --algo grpo swaps it, as a user would
+        grpo={"num_generations": 4, "learning_rate": 1e-3, "beta": 0.04, "num_iterations": 2})
 
 
 def fit(config: Path, root: Path, *extra: str) -> Path:

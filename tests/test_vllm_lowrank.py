@@ -279,24 +279,12 @@ def test_two_processes_with_one_vllm_engine_each_give_the_weights_of_one(tmp_pat
     those of one process bit for bit."""
     from pathlib import Path
 
-    import yaml
-    from conftest import assert_same_tensors, fit_final, load_safetensors
+    from conftest import assert_same_tensors, fit_final, load_safetensors, write_tiny_config
 
     path, _, _ = tiny
-    config = {"seed_everything": 3, "algo": "es",
-              "model": {"policy": {"name_or_path": str(path)},
-                        "rollout": {"engine": "vllm", "max_new_tokens": 6, "max_batch_size": 2,
-                                    "vllm_kwargs": VLLM_KW},
-                        "es": {"mode": "lowrank", "rank": RANK, "population_size": 6, "sigma": 0.05,
-                               "alpha": 0.02}},
-              "data": {"task": "conciseness",
-                       "task_args": {"train_path": str(FIXTURES / "conciseness_train3.jsonl"),
-                                     "eval_path": str(FIXTURES / "conciseness_eval2.jsonl")},
-                       "prompts_per_step": 1},
-              "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 2, "enable_progress_bar": False,
-                          "enable_model_summary": False, "enable_checkpointing": False}}
-    cfg = tmp_path / "es_vllm.yaml"
-    cfg.write_text(yaml.safe_dump(config))
+    cfg = write_tiny_config(tmp_path / "es_vllm.yaml", path,
+                            rollout={"engine": "vllm", "max_batch_size": 2, "vllm_kwargs": VLLM_KW},
+                            es={"mode": "lowrank", "rank": RANK, "population_size": 6, "sigma": 0.05, "alpha": 0.02})
     one = load_safetensors(fit_final(cfg, tmp_path / "one"))
     two = load_safetensors(fit_final(cfg, tmp_path / "two", "--trainer.devices", "2"))
     assert any(not torch.equal(one[k], p) for k, p in load_safetensors(Path(path) / "model.safetensors").items())
