@@ -85,6 +85,24 @@ def worker(mode: str, args) -> dict:
     def rewards_of(completions_per_member):
         return [sum(task.rewards(rows, [c.text for c in cs])) / p for cs in completions_per_member]
 
+    def timed_iterations(sel, spec, engine_es, population_of):
+        """`args.repeats` whole iterations: one population generate, rewards, the HF policy's update (as ESModule
+        runs it), then the engine's (lowrank: replayed from seeds; lora: the updated adapter sent to it)."""
+        times, split, out = [], {}, None
+        for _ in range(args.repeats):
+            opt = torch.optim.SGD(sel.params, lr=es.alpha)
+            start = time.perf_counter()
+            out = engine.generate_population(prompts, n, population_of, **gen)
+            t_gen = time.perf_counter()
+            shaped = shape_fitness(torch.tensor(rewards_of(out)))
+            es_step(opt, sel, members, shaped, spec)
+            t_hf = time.perf_counter()
+            engine_es.after_step(members, shaped, es.alpha)
+            times.append(time.perf_counter() - start)
+            split = {"generate_s": round(t_gen - start, 2), "update_hf_s": round(t_hf - t_gen, 2),
+                     "update_engine_s": round(time.perf_counter() - t_hf, 2)}
+        return times, split, out
+
     if mode in ("floor", "floor_lora"):
         times = []
         with PeakRSS() as mem:
@@ -102,20 +120,8 @@ def worker(mode: str, args) -> dict:
 
         engine.generate_population(prompts, 2, lambda rm: PopulationPerturbation(model, sel, spec, members[:2],
                                                                                  rm), max_new_tokens=2)  # warm-up
-        times, split = [], {}
         with PeakRSS() as mem:
-            for _ in range(args.repeats):
-                opt = torch.optim.SGD(sel.params, lr=es.alpha)
-                start = time.perf_counter()
-                out = engine.generate_population(prompts, n, population_of, **gen)
-                t_gen = time.perf_counter()
-                shaped = shape_fitness(torch.tensor(rewards_of(out)))
-                es_step(opt, sel, members, shaped, spec)  # the HF policy's update, as ESModule runs it
-                t_hf = time.perf_counter()
-                engine_es.after_step(members, shaped, es.alpha)  # replayed in the engine from seeds
-                times.append(time.perf_counter() - start)
-                split = {"generate_s": round(t_gen - start, 2), "update_hf_s": round(t_hf - t_gen, 2),
-                         "update_engine_s": round(time.perf_counter() - t_hf, 2)}
+            times, split, out = timed_iterations(sel, spec, engine_es, population_of)
         tokens = sum(len(c.token_ids) for cs in out for c in cs)
         result.update(split, rank=args.rank, perturbed_matrices=len(sel))
     elif mode == "lora":
@@ -131,20 +137,8 @@ def worker(mode: str, args) -> dict:
 
         engine.generate_population(prompts, 2, lambda rm: LoraPopulation(peft_model, sel, spec, members[:2], rm),
                                    max_new_tokens=2)  # warm-up of the LoRA path
-        times, split = [], {}
         with PeakRSS() as mem:
-            for _ in range(args.repeats):
-                opt = torch.optim.SGD(sel.params, lr=es.alpha)
-                start = time.perf_counter()
-                out = engine.generate_population(prompts, n, population_of, **gen)
-                t_gen = time.perf_counter()
-                shaped = shape_fitness(torch.tensor(rewards_of(out)))
-                es_step(opt, sel, members, shaped, spec)
-                t_hf = time.perf_counter()
-                engine_es.after_step(members, shaped, es.alpha)  # the updated adapter to the engine
-                times.append(time.perf_counter() - start)
-                split = {"generate_s": round(t_gen - start, 2), "update_hf_s": round(t_hf - t_gen, 2),
-                         "update_engine_s": round(time.perf_counter() - t_hf, 2)}
+            times, split, out = timed_iterations(sel, spec, engine_es, population_of)
         tokens = sum(len(c.token_ids) for cs in out for c in cs)
         result.update(split, lora_rank=args.lora_rank, adapter_tensors=len(sel), adapter_params=sel.numel())
     elif mode == "full":
