@@ -111,6 +111,16 @@ def peak_memory_mb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def timed_floor(engine, prompts, n: int, repeats: int, gen: dict) -> tuple[list[float], int]:
+    """The inference floor: `repeats` plain batched generates of the N x P rows with the base weights."""
+    times, out = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = engine.generate(prompts * n, greedy=True, **gen)
+        times.append(time.perf_counter() - start)
+    return times, sum(len(c.token_ids) for c in out)
+
+
 def worker(mode: str, args) -> dict:
     from esrl.es import (NoiseSpec, Perturber, PopulationPerturbation, es_step, lowrank_selection, population,
                          select_params, shape_fitness)
@@ -147,13 +157,8 @@ def worker(mode: str, args) -> dict:
         return times, split, out
 
     if mode == "floor":
-        times = []
         with PeakRSS() as mem:
-            for _ in range(args.repeats):
-                start = time.perf_counter()
-                out = engine.generate(prompts * n, greedy=True, **gen)
-                times.append(time.perf_counter() - start)
-        tokens = sum(len(c.token_ids) for c in out)
+            times, tokens = timed_floor(engine, prompts, n, args.repeats, gen)
     elif mode == "lowrank":
         spec = NoiseSpec(mode="lowrank", sigma=0.01, rank=args.rank)
         sel = lowrank_selection(model, select_params(model), spec)

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from es_throughput import PeakRSS, _cpu_model  # noqa: E402
+from es_throughput import PeakRSS, _cpu_model, timed_floor  # noqa: E402
 
 MODES = ("floor", "lowrank", "lora", "full", "floor_lora")
 
@@ -104,13 +104,8 @@ def worker(mode: str, args) -> dict:
         return times, split, out
 
     if mode in ("floor", "floor_lora"):
-        times = []
         with PeakRSS() as mem:
-            for _ in range(args.repeats):
-                start = time.perf_counter()
-                out = engine.generate(prompts * n, greedy=True, **gen)
-                times.append(time.perf_counter() - start)
-        tokens = sum(len(c.token_ids) for c in out)
+            times, tokens = timed_floor(engine, prompts, n, args.repeats, gen)
     elif mode == "lowrank":
         sel, spec = build_selection(model, es)
         engine_es = EngineES(engine, sel, es)

@@ -86,6 +86,18 @@ def fit_final(config: Path, root: Path, *extra: str) -> Path:
     return finals[0]
 
 
+def assert_batched_equals_member_by_member(engine, prompts, members, population_of, perturber,
+                                           max_new_tokens: int = 8) -> None:
+    """Greedy completions of ONE population-batched generate equal, member by member, those of the engine with
+    that member's perturbation written into the weights (`perturber.perturbed`); and the members really differ."""
+    batched = engine.generate_population(prompts, len(members), population_of, max_new_tokens=max_new_tokens)
+    for i, m in enumerate(members):
+        with perturber.perturbed(m):
+            single = engine.generate(prompts, max_new_tokens=max_new_tokens, greedy=True)
+        assert [c.token_ids for c in batched[i]] == [c.token_ids for c in single], f"member {i}"
+    assert len({tuple(batched[i][-1].token_ids) for i in range(len(members))}) > 1
+
+
 def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURES, assert_same_tensors, fit_final, load_safetensors, run_esrl, write_tiny_config
+from conftest import (FIXTURES, assert_batched_equals_member_by_member, assert_same_tensors, fit_final,
+                     load_safetensors, run_esrl, write_tiny_config)
 
 from esrl.errors import ConfigError
 from esrl.es import Perturber, member_chunks, population, set_es_grads, shape_fitness
@@ -147,14 +148,9 @@ def test_greedy_completions_batched_equal_member_by_member(tiny_model, tok):
     randomize_b(sel, seed=1)
     members = population(0, 0, 5)
     engine = HFEngine(model.get_base_model(), tok)  # as in ESModule: the engine holds the injected base model
-    batched = engine.generate_population(
-        PROMPTS, len(members), lambda rm: population_perturbation(model, sel, spec, members, rm), max_new_tokens=8)
-    perturber = Perturber(sel, spec)
-    for i, m in enumerate(members):
-        with perturber.perturbed(m):
-            single = engine.generate(PROMPTS, max_new_tokens=8, greedy=True)
-        assert [c.token_ids for c in batched[i]] == [c.token_ids for c in single]
-    assert len({tuple(batched[i][1].token_ids) for i in range(len(members))}) > 1  # members really differ
+    assert_batched_equals_member_by_member(
+        engine, PROMPTS, members, lambda rm: population_perturbation(model, sel, spec, members, rm),
+        Perturber(sel, spec))
 
 
 def test_update_is_the_written_out_sum_over_perturbed_adapters(tiny_model):

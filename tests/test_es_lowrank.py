@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURES, assert_same_tensors, fit_final, load_safetensors, write_tiny_config
+from conftest import (FIXTURES, assert_batched_equals_member_by_member, assert_same_tensors, fit_final,
+                     load_safetensors, write_tiny_config)
 
 from esrl.es import (NoiseSpec, Perturber, PopulationPerturbation, lowrank_factors, lowrank_selection, member_chunks,
                      population, select_params, set_es_grads, shape_fitness)
@@ -108,16 +109,9 @@ def test_greedy_completions_batched_equal_member_by_member(tiny_lm, tok):
     spec = NoiseSpec(mode="lowrank", sigma=0.05, rank=1)
     sel = lowrank_selection(tiny_lm, select_params(tiny_lm), spec)
     members = population(0, 0, 5)
-    engine = HFEngine(tiny_lm, tok)
-    batched = engine.generate_population(
-        PROMPTS, len(members), lambda rm: PopulationPerturbation(tiny_lm, sel, spec, members, rm),
-        max_new_tokens=8)
-    perturber = Perturber(sel, spec)
-    for i, m in enumerate(members):
-        with perturber.perturbed(m):
-            single = engine.generate(PROMPTS, max_new_tokens=8, greedy=True)
-        assert [c.token_ids for c in batched[i]] == [c.token_ids for c in single]
-    assert len({tuple(batched[i][1].token_ids) for i in range(len(members))}) > 1  # members really differ
+    assert_batched_equals_member_by_member(
+        HFEngine(tiny_lm, tok), PROMPTS, members, lambda rm: PopulationPerturbation(tiny_lm, sel, spec, members, rm),
+        Perturber(sel, spec))
 
 
 @pytest.mark.parametrize("spec", [NoiseSpec(mode="lowrank", sigma=0.5, rank=2, lowrank_vectors="full"),
