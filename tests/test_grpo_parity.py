@@ -20,7 +20,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # noq
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from esrl.grpo import LOSS_TYPES, GRPOLoss, group_advantages, per_token_logps  # noqa: E402
+from esrl.grpo import LOSS_TYPES, GRPOLoss, group_advantages  # noqa: E402
+from esrl.models.logps import per_token_logps  # noqa: E402
 
 TOL = 1e-5
 G = 4  # generations per prompt

@@ -109,7 +109,7 @@ class Evaluation(L.Callback):
 
     @torch.no_grad()
     def _kl(self, module, rows, samples) -> float:
-        from esrl.grpo.logps import per_token_logps
+        from esrl.models.logps import per_token_logps
         from esrl.models import load_causal_lm
         from esrl.rollout import render_prompts
 

@@ -29,7 +29,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from esrl.grpo.advantages import group_advantages, nanstd
 from esrl.grpo.config import GRPOConfig
-from esrl.grpo.logps import per_token_logps
+from esrl.models.logps import per_token_logps
 from esrl.grpo.loss import GRPOLoss
 from esrl.models.loading import load_causal_lm
 from esrl.policy import PolicyConfig, PolicyModule, world_info

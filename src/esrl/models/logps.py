@@ -1,4 +1,7 @@
-"""Per-token log-probs of completion tokens, as TRL 1.16's GRPOTrainer._get_per_token_logps_and_entropies."""
+"""Per-token log-probs of completion tokens, as TRL 1.16's GRPOTrainer._get_per_token_logps_and_entropies.
+
+In models/ because both the GRPO loss and the evaluation callback's KL score completions with it.
+"""
 
 from __future__ import annotations
 
