@@ -14,7 +14,7 @@ import re
 import time
 
 from esrl.errors import EsrlError
-from esrl.scoring.client import RETRY_STATUS, _detail, _first_line
+from esrl.scoring.http_errors import RETRY_STATUS, exception_line, response_detail
 
 SYSTEM_PROMPT = ("You are an impartial judge comparing two responses of an AI assistant to the same user prompt. "
                  "Do not let the order, the length or the style of the responses sway you.")
@@ -116,7 +116,7 @@ class ChatJudge:
             try:
                 response = self._client.post(url, json=payload)
             except httpx.TransportError as e:  # connection refused, timeouts, broken connections
-                cause = _first_line(e)
+                cause = exception_line(e)
                 continue
             if response.status_code in RETRY_STATUS:
                 cause = f"HTTP {response.status_code} {_error_text(response)}"
@@ -139,8 +139,8 @@ def _error_text(response) -> str:
     try:
         message = response.json()["error"]["message"]
     except Exception:  # noqa: BLE001 - any other error page
-        return _detail(response)
-    return str(message).strip().splitlines()[0][:200] if str(message).strip() else _detail(response)
+        return response_detail(response)
+    return str(message).strip().splitlines()[0][:200] if str(message).strip() else response_detail(response)
 
 
 __all__ = ["ChatJudge", "JudgeError", "SYSTEM_PROMPT", "TEMPLATES", "api_key_from_env", "judgment_key",

@@ -9,13 +9,7 @@ from typing import Any, Sequence
 
 from esrl.errors import ScorerError
 from esrl.scoring.base import Scorer, check_scores
-
-RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+from esrl.scoring.http_errors import RETRY_STATUS, exception_line, response_detail
 
 
 class HTTPScorer(Scorer):
@@ -63,13 +57,13 @@ class HTTPScorer(Scorer):
             try:
                 response = self._client.request(method, url, json=payload)
             except httpx.TransportError as e:  # connection refused, timeouts, broken connections
-                cause, verb = _first_line(e), "unreachable"
+                cause, verb = exception_line(e), "unreachable"
                 continue
             if response.status_code in RETRY_STATUS:
-                cause, verb = f"HTTP {response.status_code} {_detail(response)}", "failing"
+                cause, verb = f"HTTP {response.status_code} {response_detail(response)}", "failing"
                 continue
             if response.status_code >= 400:
-                raise ScorerError(f"scorer {url}: HTTP {response.status_code} {_detail(response)}")
+                raise ScorerError(f"scorer {url}: HTTP {response.status_code} {response_detail(response)}")
             try:
                 return response.json()
             except (json.JSONDecodeError, ValueError):
@@ -112,15 +106,6 @@ class HTTPScorer(Scorer):
 
     def close(self) -> None:
         self._client.close()
-
-
-def _detail(response: Any) -> str:
-    try:
-        detail = response.json().get("detail", "")
-    except Exception:  # noqa: BLE001 - any non-JSON error page
-        detail = response.text
-    text = detail if isinstance(detail, str) else json.dumps(detail)
-    return text.strip().splitlines()[0][:200] if text.strip() else response.reason_phrase
 
 
 __all__ = ["HTTPScorer"]
