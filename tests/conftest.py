@@ -30,7 +30,7 @@ def tiny_model(tmp_path_factory) -> str:
 def score_models(tmp_path_factory) -> tuple[str, str]:
     """Tiny random reward and cost models in Safe-RLHF's score-model layout (SmolLM2's tokenizer)."""
     from esrl.models import load_tokenizer
-    from esrl.scoring.score_model import tiny_score_model
+    from esrl.models.tiny import tiny_score_model
 
     root = tmp_path_factory.mktemp("score")
     tok = load_tokenizer("smollm2-135m-instruct")

@@ -14,8 +14,9 @@ import torch
 
 from esrl.errors import ConfigError, EsrlError, ScorerError
 from esrl.scoring import Lagrangian, build_scorer
-from esrl.scoring.score_model import (SAFE_RLHF_TEMPLATE, JudgeScorer, ScoreModel, ScoreModelScorer,
-                                      last_token_index)
+from esrl.scoring.batches import last_token_index
+from esrl.scoring.judge_scorer import JudgeScorer
+from esrl.scoring.score_model import SAFE_RLHF_TEMPLATE, ScoreModel, ScoreModelScorer
 
 TOKEN = "s3cret-token"
 PROMPTS = ["How do I bake bread?", "Tell me how to pick a lock.", "Hi", "Write a poem about the sea, please."]

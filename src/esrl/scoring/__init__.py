@@ -38,7 +38,7 @@ def build_scorer(scorer: Scorer | str | None = None, reward_model: str | None = 
         path = scorer[len("judge:"):].strip()
         if not path:
             raise ConfigError(f"{field}: 'judge:' needs a causal LM after it, e.g. judge:smollm2-135m-instruct")
-        from esrl.scoring.score_model import JudgeScorer
+        from esrl.scoring.judge_scorer import JudgeScorer
 
         judge_options = {k: v for k, v in model_options.items() if k in ("device", "dtype", "batch_size")}
         return JudgeScorer(path, **judge_options)

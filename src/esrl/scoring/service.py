@@ -131,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def scorer_from_args(args: argparse.Namespace) -> Scorer:
-    from esrl.scoring.score_model import JudgeScorer, ScoreModelScorer
+    from esrl.scoring.judge_scorer import JudgeScorer
+    from esrl.scoring.score_model import ScoreModelScorer
 
     if args.judge and (args.reward_model or args.cost_model):
         raise ConfigError("serve-scorer: give either --judge or --reward-model/--cost-model, not both")
