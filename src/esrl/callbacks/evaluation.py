@@ -109,8 +109,8 @@ class Evaluation(L.Callback):
 
     @torch.no_grad()
     def _kl(self, module, rows, samples) -> float:
-        from esrl.models.logps import per_token_logps
         from esrl.models import load_causal_lm
+        from esrl.models.logps import per_token_logps
         from esrl.rollout import render_prompts
 
         if self._base is None:

@@ -17,7 +17,6 @@ optimizer steps.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -29,21 +28,18 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from esrl.grpo.advantages import group_advantages, nanstd
 from esrl.grpo.config import GRPOConfig
-from esrl.models.logps import per_token_logps
 from esrl.grpo.loss import GRPOLoss
+from esrl.grpo.reference import FrozenReference
 from esrl.models.loading import load_causal_lm
+from esrl.models.logps import per_token_logps
 from esrl.policy import PolicyConfig, PolicyModule, world_info
 from esrl.rollout import Completion, RolloutConfig, render_prompts
-
-_MASK63 = (1 << 63) - 1
+from esrl.seeding import derive_seed
 
 
 def sampling_seed(run_seed: int, step: int, micro_batch: int, rank: int) -> int:
-    """A 63-bit seed from (run seed, optimizer step, micro-batch, rank), stable across machines and
-    versions."""
-    key = f"esrl-grpo:{run_seed}:{step}:{micro_batch}:{rank}".encode()
-    digest = hashlib.blake2b(key, digest_size=8).digest()
-    return int.from_bytes(digest, "little") & _MASK63
+    """The seed of one micro-batch's rollouts: from (run seed, optimizer step, micro-batch, rank) alone."""
+    return derive_seed("esrl-grpo", run_seed, step, micro_batch, rank)
 
 
 @dataclass
@@ -80,10 +76,8 @@ class GRPOModule(PolicyModule):
                                 max_completion_length=self.rollout_config.max_new_tokens,
                                 use_bias_correction_kl=self.grpo.use_bias_correction_kl,
                                 delta=self.grpo.delta)
-        # The frozen reference is kept out of the module tree: not in checkpoints, optimizers, DDP or ZeRO.
-        object.__setattr__(self, "ref_model", None)
+        self.reference: FrozenReference | None = None  # beta > 0; outside the module tree, see FrozenReference
         self._rollouts: list[RolloutBatch] = []  # this optimizer step's micro-batches, reused for mu steps
-        self._seen_step, self._micro_batch = -1, 0
         self._step_start = 0.0
         self._step_costs: list[float] = []  # costs of this optimizer step's rollouts (tasks with a cost)
 
@@ -92,9 +86,8 @@ class GRPOModule(PolicyModule):
         super().configure_model()
         if self.grpo.gradient_checkpointing and not self.policy.is_gradient_checkpointing:
             self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.grpo.beta > 0 and self.ref_model is None:
-            ref = load_causal_lm(self.model_path, self.policy_config.dtype).eval().requires_grad_(False)
-            object.__setattr__(self, "ref_model", ref)
+        if self.grpo.beta > 0 and self.reference is None:
+            self.reference = FrozenReference(load_causal_lm(self.model_path, self.policy_config.dtype))
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -106,8 +99,8 @@ class GRPOModule(PolicyModule):
         # Models load in eval mode and Lightning keeps a module's mode: the loss runs in train mode, as TRL's.
         self.policy.train()
         dtype = next(self.policy.parameters()).dtype
-        if self.ref_model is not None:
-            self.ref_model.to(device=self.device, dtype=dtype)
+        if self.reference is not None:
+            self.reference.to(self.device, dtype)
         if dtype != torch.float32 and not isinstance(self.trainer.strategy, DeepSpeedStrategy):
             rank_zero_warn(f"GRPO: AdamW steps {dtype} weights in place, without fp32 master weights: "
                            "updates smaller than the dtype's resolution (lr 1e-6 on most weights) are "
@@ -149,7 +142,9 @@ class GRPOModule(PolicyModule):
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         self._timings = {"rollout": 0.0, "reward": 0.0, "logps": 0.0}
         self._step_start = time.perf_counter()
-        micro_batch = self._next_micro_batch()
+        # Lightning's own test for the first micro-batch of an accumulation window (automatic optimization's
+        # zero_grad): batch_idx counts this epoch's batches, and an epoch's last window may be short.
+        micro_batch = batch_idx % self.trainer.accumulate_grad_batches
         fresh = self.global_step % self.grpo.num_iterations == 0 or micro_batch >= len(self._rollouts)
         if fresh:
             if micro_batch == 0:
@@ -163,14 +158,6 @@ class GRPOModule(PolicyModule):
                                    ref_per_token_logps=rollout.ref_logps)
         self._log_step(rollout, loss, stats)
         return loss
-
-    def _next_micro_batch(self) -> int:
-        """Index of this training_step among the optimizer step's accumulate_grad_batches micro-batches."""
-        if self.global_step != self._seen_step:
-            self._seen_step, self._micro_batch = self.global_step, 0
-        else:
-            self._micro_batch += 1
-        return self._micro_batch
 
     @torch.no_grad()
     def make_rollout(self, rows: list[dict[str, Any]], micro_batch: int) -> RolloutBatch:
@@ -200,9 +187,9 @@ class GRPOModule(PolicyModule):
             if self.grpo.num_iterations > 1:  # mu > 1: ratios against the weights that sampled
                 rollout.old_logps = per_token_logps(self.policy, rollout.input_ids, rollout.attention_mask,
                                                     width, temperature)
-            if self.ref_model is not None:
-                rollout.ref_logps = per_token_logps(self.ref_model, rollout.input_ids, rollout.attention_mask,
-                                                    width, temperature)
+            if self.reference is not None:
+                rollout.ref_logps = per_token_logps(self.reference.model, rollout.input_ids,
+                                                    rollout.attention_mask, width, temperature)
         return rollout
 
     def _to_tensors(self, prompts, completions: list[Completion], rewards: torch.Tensor,

@@ -1,0 +1,23 @@
+"""The frozen reference policy of GRPO's KL term, held outside the LightningModule's module tree."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class FrozenReference:
+    """The base policy, frozen, for the reference log-probs of the KL penalty (beta > 0).
+
+    A plain holder on purpose: an `nn.Module` assigned to a LightningModule attribute becomes its child, so the
+    reference would be saved in every checkpoint, counted in the model summary, and wrapped, moved or sharded by
+    the strategy (DDP, FSDP, DeepSpeed ZeRO) as if it trained. Held here it is none of those: it is loaded from the
+    base weights whenever needed, and GRPOModule moves it to the policy's device and dtype itself.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model.eval().requires_grad_(False)
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> FrozenReference:
+        self.model.to(device=device, dtype=dtype)
+        return self
