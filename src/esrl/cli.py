@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import sys
 import warnings
-from types import MethodType
 
 from lightning.pytorch.cli import LightningCLI
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 import esrl.es.strategy  # noqa: F401  registers the `es` strategy
 from esrl.data import PromptDataModule
@@ -19,31 +20,12 @@ class EsrlCLI(LightningCLI):
         parser.add_argument("--algo", choices=["es", "grpo"], default="es",
                             help="Optimizer family: es (evolution strategies) or grpo.")
         parser.link_arguments("algo", "model.algo", apply_on="parse")
-
-    def _add_configure_optimizers_method_to_model(self, subcommand: str | None) -> None:
-        """LightningCLI's --optimizer / --lr_scheduler, instantiated when Lightning asks for them.
-
-        LightningCLI builds them over model.parameters() at once, but esrl builds the model in configure_model
-        (so ZeRO-3 can shard it), later: record what LightningCLI would build, and build it then."""
-        import lightning.pytorch.cli as lightning_cli
-
-        inits: list = []
-        instantiate = lightning_cli.instantiate_class
-        lightning_cli.instantiate_class = lambda args, init: inits.append(init)
-        try:
-            super()._add_configure_optimizers_method_to_model(subcommand)
-        finally:
-            lightning_cli.instantiate_class = instantiate
-        if not inits:
-            return
-        optimizer_init, scheduler_init = inits[0], (inits[1] if len(inits) > 1 else None)
-
-        def configure_optimizers(module):
-            optimizer = instantiate([p for p in module.parameters() if p.requires_grad], optimizer_init)
-            scheduler = instantiate(optimizer, scheduler_init) if scheduler_init else None
-            return LightningCLI.configure_optimizers(module, optimizer, scheduler)
-
-        self.model.configure_optimizers = MethodType(configure_optimizers, self.model)
+        # --optimizer / --lr_scheduler reach the module as callables (model.optimizer, model.lr_scheduler), not
+        # as LightningCLI's automatic ones: those are built over model.parameters() before fit, but esrl builds
+        # the policy in configure_model (so ZeRO-3 can shard it), so the module builds them in
+        # configure_optimizers, over the trainable parameters that exist by then.
+        parser.add_optimizer_args((Optimizer,), link_to="model.optimizer")
+        parser.add_lr_scheduler_args((LRScheduler, ReduceLROnPlateau), link_to="model.lr_scheduler")
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config

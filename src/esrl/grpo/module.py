@@ -23,12 +23,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from lightning.pytorch.cli import LightningCLI, LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 
 from esrl.grpo.advantages import group_advantages, nanstd
 from esrl.grpo.config import GRPOConfig
 from esrl.grpo.loss import GRPOLoss
+from esrl.grpo.optim import default_adamw, default_schedule
 from esrl.grpo.reference import FrozenReference
 from esrl.models.loading import load_causal_lm
 from esrl.models.logps import per_token_logps
@@ -66,9 +68,12 @@ class GRPOModule(PolicyModule):
     """Group Relative Policy Optimization on a causal LM, with the task, data and evaluation ES uses."""
 
     def __init__(self, policy: PolicyConfig | None = None, rollout: RolloutConfig | None = None,
-                 grpo: GRPOConfig | None = None):
+                 grpo: GRPOConfig | None = None, optimizer: OptimizerCallable | None = None,
+                 lr_scheduler: LRSchedulerCallable | None = None):
         super().__init__(policy, rollout)
         self.grpo = grpo or GRPOConfig()
+        self.optimizer_factory = optimizer  # --optimizer: called on the trainable parameters in configure_optimizers
+        self.lr_scheduler_factory = lr_scheduler  # --lr_scheduler: called on the optimizer
         self.grpo.validate()
         self.save_configs(grpo=self.grpo)
         self.loss_fn = GRPOLoss(beta=self.grpo.beta, epsilon_low=self.grpo.epsilon_low,
@@ -108,28 +113,22 @@ class GRPOModule(PolicyModule):
                            "(fp32 master weights).")
 
     def configure_optimizers(self):
-        """AdamW as TRL's (no decay on 1-D tensors: biases and norms), linear decay to 0 after warmup.
+        """TRL's AdamW and LR schedule (esrl.grpo.optim), or the command line's `--optimizer` / `--lr_scheduler`.
 
-        `--optimizer` / `--lr_scheduler` on the command line replace this (LightningCLI)."""
-        cfg = self.grpo
+        Those are LightningCLI's flags, passed in as callables and built here, over the trainable parameters that
+        configure_model created; `--optimizer` without `--lr_scheduler` keeps its lr, as in LightningCLI."""
         params = [(n, p) for n, p in self.policy.named_parameters() if p.requires_grad]
-        groups = [{"params": [p for _, p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-                  {"params": [p for _, p in params if p.ndim < 2], "weight_decay": 0.0}]
-        optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.learning_rate,
-                                      betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
-        total = self.trainer.estimated_stepping_batches
-        if not math.isfinite(total) or (cfg.lr_scheduler == "constant" and cfg.warmup_ratio == 0):
+        if self.optimizer_factory is None:
+            optimizer = default_adamw(params, self.grpo)
+        else:
+            optimizer = self.optimizer_factory([p for _, p in params])
+        if self.lr_scheduler_factory is not None:
+            return LightningCLI.configure_optimizers(self, optimizer, self.lr_scheduler_factory(optimizer))
+        if self.optimizer_factory is not None:
             return optimizer
-        total = max(1, int(total))
-        warmup = math.ceil(cfg.warmup_ratio * total)
-        linear = cfg.lr_scheduler == "linear"
-
-        def factor(step: int) -> float:  # transformers' get_linear_schedule_with_warmup
-            if step < warmup:
-                return step / max(1, warmup)
-            return max(0.0, (total - step) / max(1, total - warmup)) if linear else 1.0
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        scheduler = default_schedule(optimizer, self.grpo, self.trainer.estimated_stepping_batches)
+        if scheduler is None:
+            return optimizer
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     @property

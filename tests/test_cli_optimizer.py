@@ -1,0 +1,54 @@
+"""LightningCLI's --optimizer / --lr_scheduler reach GRPO as callables, built over the policy configure_model made."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ROOT
+
+from esrl.cli import EsrlCLI
+from esrl.data import PromptDataModule
+from esrl.errors import ConfigError
+from esrl.module_factory import build_module
+
+
+def cli(tiny_model, tmp_path, algo: str, *flags: str) -> EsrlCLI:
+    return EsrlCLI(build_module, PromptDataModule, run=False, args=[
+        "--config", str(ROOT / "configs/demo/es_conciseness.yaml"), "--algo", algo,
+        "--model.policy.name_or_path", tiny_model, "--trainer.accelerator", "cpu", "--trainer.devices", "1",
+        "--trainer.max_steps", "4", "--trainer.default_root_dir", str(tmp_path), *flags])
+
+
+def optimizers(c: EsrlCLI):
+    c.model.trainer = c.trainer
+    c.model.configure_model()
+    return c.model.configure_optimizers()
+
+
+def test_optimizer_and_scheduler_flags_build_over_the_trainable_parameters(tiny_model, tmp_path):
+    c = cli(tiny_model, tmp_path, "grpo", "--optimizer", "torch.optim.SGD", "--optimizer.lr", "0.1",
+            "--lr_scheduler", "torch.optim.lr_scheduler.StepLR", "--lr_scheduler.step_size", "2")
+    [optimizer], [scheduler] = optimizers(c)
+    assert isinstance(optimizer, torch.optim.SGD) and optimizer.param_groups[0]["lr"] == 0.1
+    assert isinstance(scheduler, torch.optim.lr_scheduler.StepLR) and scheduler.step_size == 2
+    trainable = [p for p in c.model.policy.parameters() if p.requires_grad]
+    assert [id(p) for p in optimizer.param_groups[0]["params"]] == [id(p) for p in trainable]
+
+
+def test_scheduler_flag_alone_schedules_the_default_adamw(tiny_model, tmp_path):
+    c = cli(tiny_model, tmp_path, "grpo", "--lr_scheduler", "torch.optim.lr_scheduler.StepLR",
+            "--lr_scheduler.step_size", "3")
+    [optimizer], [scheduler] = optimizers(c)
+    assert isinstance(optimizer, torch.optim.AdamW) and [g["weight_decay"] for g in optimizer.param_groups][1] == 0
+    assert isinstance(scheduler, torch.optim.lr_scheduler.StepLR)
+
+
+def test_without_flags_grpo_keeps_trl_defaults(tiny_model, tmp_path):
+    config = optimizers(cli(tiny_model, tmp_path, "grpo"))
+    assert isinstance(config["optimizer"], torch.optim.AdamW)
+    assert config["lr_scheduler"]["interval"] == "step"
+
+
+def test_es_refuses_the_optimizer_flag_naming_it(tiny_model, tmp_path):
+    with pytest.raises(ConfigError, match="^--optimizer: .*model.es.optimizer"):
+        cli(tiny_model, tmp_path, "es", "--optimizer", "torch.optim.SGD", "--optimizer.lr", "0.1")
