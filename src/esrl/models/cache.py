@@ -1,0 +1,92 @@
+"""The converted-model cache: a folder is used only if it is provably complete, else it is rebuilt.
+
+A conversion writes into a private temporary folder, records every file's size in `esrl-cache.json` last,
+and renames the folder into place, all under a file lock (several processes of one run share the cache).
+A folder without that record, with a file missing or of another size, or with a safetensors file whose
+header does not parse or does not account for the file's length (a truncated or overwritten file) is
+moved aside and rebuilt, never loaded. Content is not hashed: a same-size bit flip inside the weights
+would pass, at no cost to every load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from filelock import FileLock
+
+RECORD = "esrl-cache.json"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ESRL_CACHE", Path.home() / ".cache" / "esrl"))
+
+
+def _safetensors_whole(path: Path) -> bool:
+    """Header parses and its last tensor ends exactly at the end of the file."""
+    try:
+        with path.open("rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+        return path.stat().st_size == 8 + n + max(ends, default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error):
+        return False
+
+
+def problem(folder: Path) -> str | None:
+    """Why `folder` cannot be used as a cached model, or None when it is complete."""
+    try:
+        record = json.loads((folder / RECORD).read_text())
+        files = dict(record["files"])
+    except FileNotFoundError:
+        return f"no {RECORD} (an interrupted or older conversion)"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"unreadable {RECORD} ({type(e).__name__})"
+    if "config.json" not in files:
+        return f"{RECORD} lists no config.json"
+    for name, size in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, {size} were written"
+        if name.endswith(".safetensors") and not _safetensors_whole(path):
+            return f"{name} is not a whole safetensors file"
+    return None
+
+
+def _record(folder: Path) -> None:
+    files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
+    (folder / RECORD).write_text(json.dumps({"files": files}, indent=1))
+
+
+def ensure(out: Path, build: Callable[[Path], None]) -> Path:
+    """`out` when it is a complete cache; else build it with `build(tmp_folder)` and move it into place."""
+    if problem(out) is None:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out.parent / f"{out.name}.lock")):
+        why = problem(out)  # another process may have built it while this one waited
+        if why is None:
+            return out
+        for stale in out.parent.glob(f"{out.name}.tmp*"):  # left by a killed conversion: the lock is ours
+            shutil.rmtree(stale, ignore_errors=True)
+        if out.exists():
+            print(f"esrl: model cache {out} is unusable ({why}); rebuilding it", file=sys.stderr)
+            broken = out.with_name(f"{out.name}.tmp-broken{os.getpid()}")
+            out.rename(broken)
+            shutil.rmtree(broken, ignore_errors=True) if broken.is_dir() else broken.unlink()
+        tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+        try:
+            build(tmp)
+            _record(tmp)
+            tmp.rename(out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -1,0 +1,80 @@
+"""The converted-model cache is used only when complete; a half-written or corrupt one is rebuilt."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from esrl.models.cache import RECORD, ensure, problem
+
+
+def build(folder):
+    """A stand-in for the GGUF conversion: a config and one safetensors file."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    save_file({"w": torch.arange(1000, dtype=torch.float32)}, str(folder / "model.safetensors"))
+
+
+@pytest.fixture
+def built(tmp_path):
+    calls = []
+    out = ensure(tmp_path / "m", lambda tmp: (calls.append(tmp), build(tmp)))
+    assert problem(out) is None and len(calls) == 1
+    return out
+
+
+def rebuilds(out) -> bool:
+    calls = []
+    ensure(out, lambda tmp: (calls.append(tmp), build(tmp)))
+    assert problem(out) is None
+    return len(calls) == 1
+
+
+def test_complete_cache_is_reused(built):
+    assert not rebuilds(built)
+    assert not list(built.parent.glob("m.tmp*"))
+
+
+def truncate(out):
+    path = out / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+
+
+def overwrite_header(out):
+    path = out / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[8:20] = b"x" * 12
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", [
+    lambda out: (out / RECORD).unlink(),                 # an interrupted (or pre-record) conversion
+    lambda out: (out / RECORD).write_text("{"),
+    lambda out: (out / "config.json").unlink(),
+    truncate,
+    overwrite_header,
+], ids=["no-record", "bad-record", "missing-file", "truncated", "bad-header"])
+def test_damaged_cache_is_rebuilt_never_used(built, damage, capsys):
+    damage(built)
+    assert problem(built) is not None
+    assert rebuilds(built)
+    assert "rebuilding" in capsys.readouterr().err
+
+
+def test_failed_build_leaves_nothing_behind(tmp_path):
+    def crash(tmp):
+        build(tmp)
+        raise RuntimeError("killed mid-conversion")
+
+    with pytest.raises(RuntimeError):
+        ensure(tmp_path / "m", crash)
+    assert not (tmp_path / "m").exists() and not list(tmp_path.glob("m.tmp*"))
+
+
+def test_leftover_temporary_folder_is_cleared(tmp_path):
+    build(tmp_path / "m.tmp12345")  # a conversion killed before it could clean up
+    ensure(tmp_path / "m", build)
+    assert problem(tmp_path / "m") is None and not list(tmp_path.glob("m.tmp*"))
