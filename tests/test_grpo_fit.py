@@ -69,3 +69,27 @@ def test_bad_grpo_config_is_one_line_naming_the_field(grpo_config, tmp_path, fla
     assert len(errors) == 1 and field in errors[0], out.stderr
     assert "Traceback" not in out.stderr
     assert not list(tmp_path.rglob("final"))
+
+
+def test_micro_batches_follow_lightnings_accumulation_windows(grpo_config, tmp_path, monkeypatch):
+    """accumulate_grad_batches 2 over 3 prompts an epoch: windows [0, 1] and a short [2] in each epoch, so the
+    micro-batch index restarts with every optimizer step and every epoch. With num_iterations 2 the rollouts are
+    made on steps 0 and 2 (micro-batches 0 and 1) and reused, by micro-batch index, on steps 1 and 3."""
+    from esrl.cli import EsrlCLI
+    from esrl.data import PromptDataModule
+    from esrl.module_factory import build_module
+
+    cli = EsrlCLI(build_module, PromptDataModule, run=False, args=[
+        "--config", str(grpo_config), "--algo", "grpo", "--trainer.accumulate_grad_batches", "2",
+        "--trainer.max_steps", "4", "--trainer.default_root_dir", str(tmp_path)])
+    module, made = cli.model, []
+    make_rollout = module.make_rollout
+
+    def recording(rows, micro_batch):
+        made.append((module.global_step, micro_batch))
+        return make_rollout(rows, micro_batch)
+
+    monkeypatch.setattr(module, "make_rollout", recording)
+    cli.trainer.fit(module, cli.datamodule)
+    assert cli.trainer.global_step == 4
+    assert made == [(0, 0), (0, 1), (2, 0), (2, 1)]
