@@ -173,7 +173,7 @@ def worker(mode: str, args) -> dict:
         result.update(split, rank=args.rank, perturbed_matrices=len(sel))
     elif mode == "lora":
         from esrl.es.config import ESConfig
-        from esrl.es.lora import LoraPopulation
+        from esrl.es.modes.lora import LoraPopulation
         from esrl.es.setup import build_policy, build_selection
 
         cfg = ESConfig(mode="lora", sigma=0.01, lora_rank=args.lora_rank, lora_alpha=2 * args.lora_rank)

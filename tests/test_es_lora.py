@@ -16,10 +16,10 @@ from conftest import (FIXTURES, assert_batched_equals_member_by_member, assert_s
                      load_safetensors, run_esrl, write_tiny_config)
 
 from esrl.errors import ConfigError
-from esrl.es import Perturber, member_chunks, population, set_es_grads, shape_fitness
+from esrl.es import Perturber, get_mode, member_chunks, population, set_es_grads, shape_fitness
 from esrl.es.config import ESConfig
-from esrl.es.lora import LoraPopulation
-from esrl.es.setup import build_optimizer, build_policy, build_selection, population_perturbation
+from esrl.es.modes.lora import LoraPopulation
+from esrl.es.setup import build_optimizer, build_policy, build_selection
 from esrl.es.update import es_step
 
 pytest.importorskip("peft")
@@ -149,7 +149,7 @@ def test_greedy_completions_batched_equal_member_by_member(tiny_model, tok):
     members = population(0, 0, 5)
     engine = HFEngine(model.get_base_model(), tok)  # as in ESModule: the engine holds the injected base model
     assert_batched_equals_member_by_member(
-        engine, PROMPTS, members, lambda rm: population_perturbation(model, sel, spec, members, rm),
+        engine, PROMPTS, members, lambda rm: get_mode(spec.mode).population(model, sel, spec, members, rm),
         Perturber(sel, spec))
 
 

@@ -17,7 +17,8 @@ from conftest import (FIXTURES, assert_batched_equals_member_by_member, assert_s
 
 from esrl.es import (NoiseSpec, Perturber, PopulationPerturbation, lowrank_factors, lowrank_selection, member_chunks,
                      population, select_params, set_es_grads, shape_fitness)
-from esrl.es.lowrank import factor_seed, iter_gradient
+from esrl.es.noise import factor_seed
+from esrl.es.update import es_gradient
 
 PROMPTS = ["Hi", "Write a much longer sentence about the sea and the sky"]
 
@@ -144,14 +145,14 @@ def test_lowrank_gradient_is_low_rank_and_zero_for_equal_fitness(tiny_lm):
     spec = NoiseSpec(mode="lowrank", rank=2)
     sel = lowrank_selection(tiny_lm, select_params(tiny_lm), spec)
     members = population(0, 0, 3)
-    grads = dict(iter_gradient(sel, members, torch.tensor([1.0, -2.0, 0.5]), spec))
+    grads = dict(es_gradient(sel, members, torch.tensor([1.0, -2.0, 0.5]), spec))
     g = next(iter(grads.values()))
     assert torch.linalg.matrix_rank(g) <= 3 * 2
     a, b = lowrank_factors(members[0].seed, sel.indices[0], sel.params[0].shape, 2)
     ref = sum(c * (lambda ab: ab[0] @ ab[1].T)(lowrank_factors(m.seed, sel.indices[0], sel.params[0].shape, 2))
               for c, m in zip([1.0, -2.0, 0.5], members)) / (3 * math.sqrt(2))
     assert torch.allclose(g, ref, atol=1e-6)
-    zero = dict(iter_gradient(sel, members, torch.zeros(3), spec))
+    zero = dict(es_gradient(sel, members, torch.zeros(3), spec))
     assert all(not v.any() and not v.isnan().any() for v in zero.values())
 
 

@@ -80,72 +80,63 @@ def test_greedy_completions_equal_the_hf_engine(engine, smol, base_greedy):
 
 
 @requires_vllm
-def test_perturb_changes_completions_and_restore_is_exact(engine, base_greedy):
+def test_load_weights_reach_the_kernels_and_round_trip_exactly(engine, smol, base_greedy):
+    """HF-named tensors (q/k/v and gate/up land in vLLM's fused tensors) are what the kernels compute with, and
+    read back bit for bit; pushing the base weights again restores the base completions exactly."""
     from esrl.es.noise import population
+    from esrl.es.params import select_params
+    from esrl.es.update import Perturber
+    from esrl.models.loading import load_causal_lm
 
-    before = engine.read_weights()
-    member = population(7, 0, 2, antithetic=True)[1]  # sign -1
-    engine.perturb(member, 0.02)
-    assert engine.is_perturbed
-    perturbed = engine.generate(PROMPTS, **GREEDY)
-    moved = engine.read_weights(["model.layers.0.self_attn.k_proj.weight"])["model.layers.0.self_attn.k_proj.weight"]
-    engine.restore()
-    assert [c.text for c in perturbed] != [c.text for c in base_greedy]  # the kernels see the new weights
-    assert not torch.equal(moved, before["model.layers.0.self_attn.k_proj.weight"])
+    path, _, base = smol
+    model = load_causal_lm(path)
+    selection = select_params(model, include=[r"layers\.(0|29)\."])
+    with Perturber(selection).perturbed(population(3, 1, 1)[0], 0.05):
+        engine.load_weights(list(zip(selection.names, selection.params)))
+        read = engine.read_weights(selection.names)
+        assert all(torch.equal(read[n], p) for n, p in zip(selection.names, selection.params))
+        assert [c.text for c in engine.generate(PROMPTS, **GREEDY)] != [c.text for c in base_greedy]
+    engine.load_weights([(n, base.get_parameter(n)) for n in selection.names])
     after = engine.read_weights()
-    assert all(torch.equal(after[n], before[n]) for n in before)  # bit-exact restore
+    assert all(torch.equal(after[n], p) for n, p in base.named_parameters())
     assert [c.token_ids for c in engine.generate(PROMPTS, **GREEDY)] == [c.token_ids for c in base_greedy]
 
 
 @requires_vllm
-def test_perturbation_noise_equals_the_hf_perturber(engine, smol):
-    """Same (seed, tensor index) noise on the fused qkv/gate_up tensors as the HF Perturber's on q/k/v, gate/up."""
-    from esrl.es.noise import population
+def test_separate_es_backend_keeps_the_engine_equal_to_the_policy(engine, smol, base_greedy):
+    """ES on an engine with its own weights (esrl.es.engines.SeparateES): a perturbed member generates what the
+    HF engine generates with that member; restore and the update leave the engine bit-equal to the policy."""
+    from esrl.es.engines import SeparateES
+    from esrl.es.modes import get_mode
+    from esrl.es.noise import NoiseSpec, population
     from esrl.es.params import select_params
-    from esrl.es.update import Perturber
-
-    _, _, model = smol
-    selection = select_params(model, include=[r"layers\.(0|29)\."])
-    member = population(3, 1, 1)[0]
-    engine.perturb(member, 0.01, selection.names)
-    try:
-        got = engine.read_weights(selection.names)
-    finally:
-        engine.restore()
-    perturber = Perturber(selection)
-    with perturber.perturbed(member, 0.01):
-        for name, p in zip(selection.names, selection.params):
-            assert torch.equal(got[name], p), name
-
-
-@requires_vllm
-def test_apply_update_equals_the_hf_es_update(engine, smol, base_greedy):
-    """ES update from seeds on the engine == set_es_grads + SGD(lr=alpha) on the HF model, bit for bit;
-    then load_weights (GRPO's push) puts the base weights back and the greedy completions follow."""
-    from esrl.es.noise import population
-    from esrl.es.params import select_params
-    from esrl.es.update import set_es_grads
+    from esrl.es.update import es_step
     from esrl.models.loading import load_causal_lm
     from esrl.rollout import HFEngine
 
     path, tok, base = smol
     model = load_causal_lm(path)
     selection = select_params(model, exclude=["embed_tokens"])  # the 28 MB embedding left as it is
-    members = population(11, 0, 4, antithetic=True)
-    shaped = torch.tensor([1.2, -0.3, 0.5, -1.4], dtype=torch.float64)
-    alpha = 0.05  # large, so the greedy completions move
-    set_es_grads(selection, members, shaped)
-    torch.optim.SGD(selection.params, lr=alpha).step()
-
-    engine.apply_update(selection.names, members, shaped, alpha)
+    spec = NoiseSpec(sigma=0.02)
+    backend = SeparateES(engine, model, selection, spec, get_mode("full"))
+    members = population(7, 0, 2, antithetic=True)
+    hf = HFEngine(model, tok)
     try:
+        backend.perturb(members[1])  # sign -1
+        got = engine.generate(PROMPTS, **GREEDY)
+        assert [c.token_ids for c in got] == [c.token_ids for c in hf.generate(PROMPTS, **GREEDY)]
+        assert [c.text for c in got] != [c.text for c in base_greedy]
+        backend.restore()
         read = engine.read_weights()
-        for name, p in model.named_parameters():
-            assert torch.equal(read[name], p), f"{name}: max abs diff {(read[name] - p).abs().max():.3g}"
-        updated = engine.generate(PROMPTS, **GREEDY)
-        assert [c.token_ids for c in updated] == [c.token_ids for c in HFEngine(model, tok).generate(PROMPTS, **GREEDY)]
+        assert all(torch.equal(read[n], p) for n, p in base.named_parameters())  # bit-exact restore
+        es_step(torch.optim.SGD(selection.params, lr=0.05), selection, members,
+                torch.tensor([1.0, -1.0], dtype=torch.float64), spec)
+        backend.after_update()
+        read = engine.read_weights()
+        assert all(torch.equal(read[n], p) for n, p in model.named_parameters())
+        assert any(not torch.equal(read[n], base.get_parameter(n)) for n in selection.names)
     finally:
-        engine.load_weights(dict(base.named_parameters()))
+        engine.load_weights(list(base.named_parameters()))
     assert [c.token_ids for c in engine.generate(PROMPTS, **GREEDY)] == [c.token_ids for c in base_greedy]
 
 

@@ -1,5 +1,5 @@
-"""ES lowrank and lora on vLLM: every member a LoRA adapter (lowrank: built from its seed in the worker; lora:
-a perturbed copy of the policy's PEFT adapter), the population in one generate call, against the HF engine
+"""ES lowrank and lora on vLLM: every member a LoRA adapter (lowrank: built from its seed, lora_A = B^T,
+lora_B = sign s / sqrt(r) A; lora: a perturbed copy of the policy's PEFT adapter), the population in one generate call, against the HF engine
 (real vLLM, CPU in CI, on the tiny head_dim-64 Llama). One LoRA engine for the module's engine tests; every
 test leaves its weights at the base model's. The fit tests start their own engines."""
 
@@ -35,20 +35,26 @@ def engine(tiny):
     if not vllm_available():
         pytest.skip("vllm is not installed")
     from esrl.es.config import ESConfig
+    from esrl.es.modes import get_mode
     from esrl.rollout import RolloutConfig, build_engine
-    from esrl.rollout.vllm import es_engine_options
 
     path, tok, model = tiny
-    options = es_engine_options(ESConfig(mode="lowrank", rank=RANK), model)  # as ESModule builds it
-    return build_engine(RolloutConfig(engine="vllm", max_batch_size=16, vllm_kwargs=VLLM_KW), model, tok, **options)
+    adapters = get_mode("lowrank").adapter_spec(ESConfig(mode="lowrank", rank=RANK), model)  # as ESModule asks
+    return build_engine(RolloutConfig(engine="vllm", max_batch_size=16, vllm_kwargs=VLLM_KW), model, tok,
+                        adapters=adapters)
 
 
-def _population(model, members, sigma=0.05):
+def _population(model, members, sigma=0.05, engine=None):
+    """The selection, the spec, and the chunk's row weights: HF hooks, or member adapters on `engine`."""
     from esrl.es.config import ESConfig
-    from esrl.es.lowrank import PopulationPerturbation
+    from esrl.es.engines import es_backend
+    from esrl.es.modes import get_mode
+    from esrl.es.modes.lowrank import PopulationPerturbation
     from esrl.es.setup import build_selection
 
     selection, spec = build_selection(model, ESConfig(mode="lowrank", rank=RANK, sigma=sigma))
+    if engine is not None:
+        return selection, spec, es_backend(engine, model, selection, spec, get_mode("lowrank")).row_weights(members)
 
     def factory(row_member):
         return PopulationPerturbation(model, selection, spec, members, row_member)
@@ -58,24 +64,27 @@ def _population(model, members, sigma=0.05):
 
 def test_unsupported_es_settings_on_vllm_are_one_line_config_errors():
     from esrl.es.config import ESConfig
-    from esrl.rollout import RolloutConfig
-    from esrl.rollout.vllm import LOWRANK_VECTORS_ON_VLLM, es_engine_options, lora_engine_kwargs
+    from esrl.es.modes import get_mode
+    from esrl.es.modes.lowrank import VECTORS_AS_ADAPTERS
+    from esrl.rollout import AdapterSpec, RolloutConfig
+    from esrl.rollout.vllm import lora_engine_kwargs
 
+    lowrank, lora = get_mode("lowrank"), get_mode("lora")
     with pytest.raises(ConfigError) as err:
-        es_engine_options(ESConfig(mode="lowrank", lowrank_vectors="full"))
-    assert str(err.value) == LOWRANK_VECTORS_ON_VLLM and "\n" not in str(err.value)
-    assert es_engine_options(ESConfig(mode="lowrank", rank=4)) == {"lora_rank": 4}
-    assert es_engine_options(ESConfig(mode="lora", lora_rank=16, lora_target_modules=["q_proj", "v_proj"])) == {
-        "lora_rank": 16, "lora_target_modules": ["q_proj", "v_proj"]}
-    assert es_engine_options(ESConfig(mode="full")) == {}
-    kw = lora_engine_kwargs(4, RolloutConfig(engine="vllm", max_batch_size=24, vllm_max_loras=6))
-    assert kw == dict(enable_lora=True, max_lora_rank=8, max_loras=6, max_cpu_loras=25)  # a chunk + the policy's
-    assert lora_engine_kwargs(1, RolloutConfig(engine="vllm"), ["v_proj", "q_proj"])["lora_target_modules"] == [
-        "q_proj", "v_proj"]
+        lowrank.adapter_spec(ESConfig(mode="lowrank", lowrank_vectors="full"), None)
+    assert str(err.value) == VECTORS_AS_ADAPTERS and "\n" not in str(err.value)
+    assert lowrank.adapter_spec(ESConfig(mode="lowrank", rank=4), None) == AdapterSpec(4, (), "model.es.rank")
+    assert lora.adapter_spec(ESConfig(mode="lora", lora_rank=16, lora_target_modules=["q_proj", "v_proj"]), None) == (
+        AdapterSpec(16, ("q_proj", "v_proj"), "model.es.lora_rank"))
+    assert get_mode("full").adapter_spec(ESConfig(mode="full"), None) is None
+    kw = lora_engine_kwargs(AdapterSpec(4), RolloutConfig(engine="vllm", max_batch_size=24, vllm_max_loras=6))
+    assert kw == dict(enable_lora=True, max_lora_rank=8, max_loras=6, max_cpu_loras=25)  # a chunk + the default
+    assert lora_engine_kwargs(AdapterSpec(1, ("v_proj", "q_proj")), RolloutConfig(engine="vllm"))[
+        "lora_target_modules"] == ["q_proj", "v_proj"]
     with pytest.raises(ConfigError, match="vllm_max_loras"):
-        lora_engine_kwargs(1, RolloutConfig(engine="vllm", vllm_max_loras=0))
+        lora_engine_kwargs(AdapterSpec(1), RolloutConfig(engine="vllm", vllm_max_loras=0))
     with pytest.raises(ConfigError, match="model.es.rank"):
-        lora_engine_kwargs(1000, RolloutConfig(engine="vllm"))
+        lora_engine_kwargs(AdapterSpec(1000, field="model.es.rank"), RolloutConfig(engine="vllm"))
 
 
 LINEAR = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
@@ -84,13 +93,13 @@ LINEAR = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_
 def test_lowrank_engine_options_put_lora_layers_on_the_perturbed_linears_only(tiny):
     """Not on the embedding or the (tied) LM head, which lowrank never perturbs."""
     from esrl.es.config import ESConfig
-    from esrl.rollout.vllm import es_engine_options
+    from esrl.es.modes import get_mode
 
     _, _, model = tiny
-    assert es_engine_options(ESConfig(mode="lowrank", rank=RANK), model) == {
-        "lora_rank": RANK, "lora_target_modules": LINEAR}
-    attention = es_engine_options(ESConfig(mode="lowrank", include=[r"self_attn"]), model)
-    assert attention["lora_target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    lowrank = get_mode("lowrank")
+    assert lowrank.adapter_spec(ESConfig(mode="lowrank", rank=RANK), model).target_modules == tuple(LINEAR)
+    attention = lowrank.adapter_spec(ESConfig(mode="lowrank", include=[r"self_attn"]), model)
+    assert attention.target_modules == ("k_proj", "o_proj", "q_proj", "v_proj")
 
 
 @requires_vllm
@@ -103,9 +112,10 @@ def test_member_adapters_give_the_hf_population_completions(engine, tiny):
     _, tok, model = tiny
     members = population(3, 0, 6, antithetic=True)
     _, _, factory = _population(model, members)
+    _, _, adapters = _population(model, members, engine=engine)
     hf = HFEngine(model, tok, max_batch_size=64)
     want = hf.generate_population(PROMPTS, len(members), factory, max_new_tokens=10)
-    got = engine.generate_population(PROMPTS, len(members), factory, max_new_tokens=10)
+    got = engine.generate_population(PROMPTS, len(members), adapters, max_new_tokens=10)
     assert [[c.token_ids for c in m] for m in got] == [[c.token_ids for c in m] for m in want]
     assert [[c.text for c in m] for m in got] == [[c.text for c in m] for m in want]
     base = hf.generate(PROMPTS, max_new_tokens=10)
@@ -117,42 +127,15 @@ def test_member_adapters_give_the_hf_population_completions(engine, tiny):
 
 
 @requires_vllm
-def test_lowrank_update_replay_equals_the_hf_update(engine, tiny):
-    """esrl_update_lowrank == iter_gradient + SGD(lr=alpha) on the HF model, bit for bit; load_weights then
-    puts the base weights back."""
-    from esrl.es.noise import population
-    from esrl.es.update import set_es_grads
-    from esrl.models.loading import load_causal_lm
-
-    path, _, base = tiny
-    model = load_causal_lm(path)
-    members = population(11, 0, 4, antithetic=True)
-    selection, spec, _ = _population(model, members)
-    shaped = torch.tensor([1.2, -0.3, 0.5, -1.4], dtype=torch.float64)
-    set_es_grads(selection, members, shaped, spec)
-    torch.optim.SGD(selection.params, lr=0.05).step()
-    engine.apply_update(selection.names, members, shaped, 0.05, lowrank_rank=RANK)
-    try:
-        read = engine.read_weights()
-        for name, p in model.named_parameters():
-            assert torch.equal(read[name], p), f"{name}: max abs diff {(read[name] - p).abs().max():.3g}"
-        assert any(not torch.equal(read[n], base.get_parameter(n)) for n in selection.names)
-    finally:
-        engine.load_weights(dict(base.named_parameters()))
-    read = engine.read_weights()
-    assert all(torch.equal(read[n], p) for n, p in base.named_parameters())
-
-
-@requires_vllm
 def test_policy_adapter_rides_on_plain_generate(engine, tiny):
     """ES mode lora's evaluation path: the PEFT policy's adapter (here a large random one) sent with
-    set_policy_adapter makes the engine generate what the HF PEFT policy generates; None is the base again."""
+    set_default_adapter makes the engine generate what the HF PEFT policy generates; None is the base again."""
     pytest.importorskip("peft")
     from esrl.es.config import ESConfig
-    from esrl.es.lora import wrap_lora
+    from esrl.es.modes.lora import wrap_lora
     from esrl.models.loading import load_causal_lm
+    from esrl.es.modes.lora import lora_adapters
     from esrl.rollout import HFEngine
-    from esrl.rollout.vllm import lora_adapters
 
     path, tok, base = tiny
     policy = wrap_lora(load_causal_lm(path), ESConfig(mode="lora", lora_rank=RANK, lora_alpha=2.0 * RANK), seed=0)
@@ -164,11 +147,11 @@ def test_policy_adapter_rides_on_plain_generate(engine, tiny):
     want = HFEngine(policy, tok).generate(PROMPTS, max_new_tokens=10)
     plain = HFEngine(base, tok).generate(PROMPTS, max_new_tokens=10)
     assert [c.token_ids for c in want] != [c.token_ids for c in plain]
-    engine.set_policy_adapter(lora_adapters(policy)[0])
+    engine.set_default_adapter(lora_adapters(policy)[0])
     try:
         assert [c.token_ids for c in engine.generate(PROMPTS, max_new_tokens=10)] == [c.token_ids for c in want]
     finally:
-        engine.set_policy_adapter(None)
+        engine.set_default_adapter(None)
     assert [c.token_ids for c in engine.generate(PROMPTS, max_new_tokens=10)] == [c.token_ids for c in plain]
     assert engine.llm.collective_rpc(lambda w: len(w._esrl_lora_manager()))[0] == 0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from esrl.es.lora import save_final
+from esrl.es.modes import get_mode
 from esrl.es.seed_log import read_seed_log, replay
 from esrl.models import load_causal_lm, load_tokenizer
 
@@ -15,7 +15,8 @@ def export(seed_log: str, out: str, base: str | None = None, step: int | None = 
     base = base or header["policy"]["name_or_path"]
     model = load_causal_lm(base, header["policy"]["dtype"])
     model = replay(model, header, records, step)  # lora: the adapter-wrapped model
-    return save_final(model, load_tokenizer(base), out)  # lora: out/adapter/ and the merged model in out/
+    mode = get_mode(header["es"]["mode"])  # lora: out/adapter/ and the merged model in out/
+    return mode.save_final(model, load_tokenizer(base), out)
 
 
 def main(argv: list[str] | None = None) -> None:

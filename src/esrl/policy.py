@@ -15,7 +15,7 @@ import torch
 
 from esrl.errors import require
 from esrl.models.loading import DTYPES, load_causal_lm, load_tokenizer, resolve_model_path
-from esrl.rollout import RolloutConfig, build_engine
+from esrl.rollout import AdapterSpec, RolloutConfig, build_engine
 from esrl.scoring.lagrangian import find_constrained_reward
 from esrl.tasks import Task
 
@@ -70,11 +70,11 @@ class PolicyModule(L.LightningModule):
             return
         self.tokenizer = load_tokenizer(self.model_path)
         self.policy = load_causal_lm(self.model_path, self.policy_config.dtype)
-        self.engine = build_engine(self.rollout_config, self.policy, self.tokenizer, **self.engine_options())
+        self.engine = build_engine(self.rollout_config, self.policy, self.tokenizer, adapters=self.engine_adapters())
 
-    def engine_options(self) -> dict[str, Any]:
-        """Extra build_engine options the algorithm needs (ES lowrank on vLLM: LoRA adapters); none here."""
-        return {}
+    def engine_adapters(self) -> AdapterSpec | None:
+        """Row adapters the algorithm will run on an engine with its own weights (ES lowrank / lora); none here."""
+        return None
 
     @property
     def task(self) -> Task:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from esrl.errors import require
+from esrl.es.modes import MODES, get_mode
 
 
 @dataclass
@@ -22,8 +23,8 @@ class ESConfig:
     """Members (2k, 2k+1) share noise with opposite signs (mirrored sampling)."""
     shaping: Literal["zscore", "centered_rank", "raw"] = "zscore"
     """Fitness shaping: z-score as in the paper, tie-safe centered rank, or raw rewards."""
-    mode: Literal["full", "lowrank", "lora"] = "full"
-    """Noise mode: `full` Gaussian noise on whole tensors, member by member (the paper's algorithm); `lowrank`
+    mode: str = "full"
+    """Noise mode, a name registered in esrl.es.modes.MODES: `full` Gaussian noise on whole tensors, member by member (the paper's algorithm); `lowrank`
     rank-r noise sigma A B^T / sqrt(r) on every perturbed nn.Linear weight (EGGROLL), the whole population in
     one batched generation (chunks of rollout.max_batch_size // prompts members); `lora` full Gaussian noise on
     the weights of a PEFT LoRA adapter only (ES in adapter space, base weights frozen), population-batched like
@@ -76,22 +77,10 @@ class ESConfig:
         require(not self.antithetic or self.population_size % 2 == 0, "model.es.population_size",
                 f"antithetic sampling needs an even population, got {self.population_size}")
         require(self.checksum_every >= 0, "model.es.checksum_every", "must be >= 0")
-        require(self.mode in ("full", "lowrank", "lora"), "model.es.mode",
-                f"choose full, lowrank or lora, got {self.mode!r}")
-        require(self.rank >= 1, "model.es.rank", f"must be >= 1, got {self.rank}")
-        require(self.lowrank_vectors in ("frozen", "full"), "model.es.lowrank_vectors",
-                f"choose frozen or full, got {self.lowrank_vectors!r}")
+        require(self.mode in MODES, "model.es.mode", f"choose {', '.join(MODES)}, got {self.mode!r}")
         require(self.sigma_scaling in ("global", "rms"), "model.es.sigma_scaling",
                 f"choose global or rms, got {self.sigma_scaling!r}")
-        require(self.lora_rank >= 1, "model.es.lora_rank", f"must be >= 1, got {self.lora_rank}")
-        require(self.lora_alpha > 0, "model.es.lora_alpha", f"must be > 0, got {self.lora_alpha}")
-        require(bool(self.lora_target_modules) and all(isinstance(m, str) and m for m in self.lora_target_modules),
-                "model.es.lora_target_modules", f"must be a non-empty list of module names, got "
-                f"{self.lora_target_modules!r}")
-        require(self.lora_init in ("kaiming", "gaussian"), "model.es.lora_init",
-                f"choose kaiming or gaussian, got {self.lora_init!r}")
-        require(self.mode != "lora" or self.sigma_scaling == "global", "model.es.sigma_scaling",
-                "lora mode needs global (the adapter's B starts at 0: sigma * RMS(B) = 0 would never perturb it)")
         require(self.optimizer in ("sgd", "adam"), "model.es.optimizer", f"choose sgd or adam, got {self.optimizer!r}")
         require(self.momentum >= 0, "model.es.momentum", "must be >= 0")
         require(self.weight_decay >= 0, "model.es.weight_decay", "must be >= 0")
+        get_mode(self.mode).validate(self)  # the mode's own fields (rank, lora_*) and combinations

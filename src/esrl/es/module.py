@@ -7,15 +7,18 @@ from typing import Any
 
 import torch
 
+from esrl.errors import ConfigError
 from esrl.es.config import ESConfig
-from esrl.es.lowrank import member_chunks
+from esrl.es.engines import es_backend
+from esrl.es.modes import get_mode
 from esrl.es.noise import population
+from esrl.es.population_hooks import member_chunks
 from esrl.es.seed_log import append_record, make_header, make_record, write_seed_log
-from esrl.es.setup import build_optimizer, build_policy, build_selection, population_perturbation
+from esrl.es.setup import build_optimizer, build_policy, build_selection
 from esrl.es.shaping import shape_fitness
-from esrl.es.update import Perturber, es_step, weights_checksum
+from esrl.es.update import es_step, weights_checksum
 from esrl.policy import PolicyConfig, PolicyModule, world_info
-from esrl.rollout import RolloutConfig
+from esrl.rollout import AdapterSpec, RolloutConfig, engine_capabilities
 
 
 class WeightDriftError(RuntimeError):
@@ -25,10 +28,11 @@ class WeightDriftError(RuntimeError):
 class ESModule(PolicyModule):
     """Evolution strategies on a causal LM: perturb, roll out greedily, score, restore; then update.
 
-    mode `full`: member by member, weights perturbed in place. mode `lowrank`: the members run in fixed chunks
-    (rollout.max_batch_size // prompts members each), each chunk ONE batched generate with per-row low-rank
-    terms; rank r evaluates chunks r, r+W, ..., so results do not depend on the number of processes.
-    mode `lora`: ES on the weights of a LoRA adapter (esrl.es.lora), chunked and batched like lowrank.
+    The noise mode (esrl.es.modes) decides what is perturbed and how. Sequential modes (full) run member by
+    member, weights perturbed in place. Batched modes (lowrank, lora) run the members in fixed chunks
+    (rollout.max_batch_size // prompts members each), each chunk ONE batched generate with per-row weights; rank
+    r evaluates chunks r, r+W, ..., so results do not depend on the number of processes. The engine backend
+    (esrl.es.engines) follows the engine's capabilities.
     """
 
     def __init__(self, policy: PolicyConfig | None = None, rollout: RolloutConfig | None = None,
@@ -36,10 +40,11 @@ class ESModule(PolicyModule):
         super().__init__(policy, rollout)
         self.es = es or ESConfig()
         self.es.validate()
+        self.mode = get_mode(self.es.mode)
         self.save_configs(es=self.es)
         self.automatic_optimization = False
         self.selection = None
-        self.perturber: Perturber | None = None
+        self.backend = None  # esrl.es.engines: ES on this engine
         self.seed_log_records: list[dict[str, Any]] = []
 
     def configure_model(self) -> None:
@@ -48,22 +53,20 @@ class ESModule(PolicyModule):
             # lora: the policy becomes the PEFT model; the adapter is injected into the engine's model in place.
             self.policy = build_policy(self.policy, self.es, self.noise_seed)
             self.selection, self.noise_spec = build_selection(self.policy, self.es)
-            # Plain full/global mode keeps the paper's original code path (no spec).
-            plain = self.es.mode == "full" and self.es.sigma_scaling == "global"
-            self.perturber = Perturber(self.selection, None if plain else self.noise_spec)
-            if self.rollout_config.engine == "vllm":  # vLLM: perturb, restore and update inside the engine
-                from esrl.rollout.vllm import EngineES
+            self.backend = es_backend(self.engine, self.policy, self.selection, self.noise_spec, self.mode)
 
-                self.perturber = EngineES(self.engine, self.selection, self.es, policy=self.policy)
+    def engine_adapters(self) -> AdapterSpec | None:
+        """Batched modes on an engine with its own weights run members as LoRA adapters; what the mode cannot
+        run that way fails here, in one line, before the engine starts."""
+        if not self.mode.batched or engine_capabilities(self.rollout_config).shares_policy_weights:
+            return None
+        return self.mode.adapter_spec(self.es, self.policy)  # the policy is loaded, the engine not yet
 
-    def engine_options(self) -> dict[str, Any]:
-        """vLLM: lowrank members run as LoRA adapters (esrl.rollout.vllm); unsupported combinations fail here,
-        before the engine starts."""
-        if self.rollout_config.engine != "vllm":
-            return {}
-        from esrl.rollout.vllm import es_engine_options
-
-        return es_engine_options(self.es, self.policy)  # the policy is loaded, the engine not yet built
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if "16-mixed" in str(self.trainer.precision):  # its grad scaler would unscale the ES gradient
+            raise ConfigError(f"trainer.precision: ES takes no {self.trainer.precision} (fp16 loss scaling); "
+                              "use 32-true, bf16-true or bf16-mixed")
 
     def configure_optimizers(self):
         return build_optimizer(self.selection.params, self.es)
@@ -90,11 +93,8 @@ class ESModule(PolicyModule):
         """member_scores of every member of one chunk, all evaluated in one batched generation."""
         prompts = self.task.prompts(rows)
 
-        def perturbation(row_member: torch.Tensor):
-            return population_perturbation(self.policy, self.selection, self.noise_spec, chunk, row_member)
-
         with self.timed("rollout"):
-            completions = self.engine.generate_population(prompts, len(chunk), perturbation,
+            completions = self.engine.generate_population(prompts, len(chunk), self.backend.row_weights(chunk),
                                                           max_new_tokens=self.rollout_config.max_new_tokens,
                                                           stop=stop)
         return self.member_scores(rows, [c.text for cs in completions for c in cs], len(chunk))
@@ -104,12 +104,11 @@ class ESModule(PolicyModule):
         """The configured seed, else the run's seed_everything value (Lightning exports it)."""
         return self.seed_or_global(self.es.seed)
 
-
     def member_fitness(self, rows: list[dict[str, Any]], member, stop: list[str]) -> torch.Tensor:
         """member_scores of one member on the iteration's prompts; weights are restored however it ends."""
         prompts = self.task.prompts(rows)
         with self.timed("noise"):
-            self.perturber.perturb(member, self.es.sigma)  # sigma_scaling (rms) comes from the spec
+            self.backend.perturb(member)
         try:
             with self.timed("rollout"):
                 completions = self.engine.generate(prompts, max_new_tokens=self.rollout_config.max_new_tokens,
@@ -117,7 +116,7 @@ class ESModule(PolicyModule):
             scores = self.member_scores(rows, [c.text for c in completions], 1)[0]
         finally:
             with self.timed("noise"):
-                self.perturber.restore()
+                self.backend.restore()
         return scores
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
@@ -129,10 +128,10 @@ class ESModule(PolicyModule):
         members = population(self.noise_seed, iteration, self.es.population_size, self.es.antithetic)
         stop = self.stop_strings()
 
-        # Members r, r+W, ... (full) or chunks r, r+W, ... (lowrank) on rank r; every rank fills its own
+        # Members r, r+W, ... (sequential modes) or chunks r, r+W, ... (batched) on rank r; every rank fills its own
         # entries, the sum gathers them exactly.
         local = torch.zeros(len(members), 4, dtype=torch.float64)
-        if self.es.mode in ("lowrank", "lora"):  # population-batched modes
+        if self.mode.batched:
             for chunk in member_chunks(members, self.members_per_chunk(len(rows)))[rank::world]:
                 for m, f in zip(chunk, self.chunk_fitness(rows, chunk, stop)):
                     local[m.index] = f
@@ -146,13 +145,11 @@ class ESModule(PolicyModule):
 
         with self.timed("update"):
             opt = self.optimizers()
-            self.perturber.free()
-            # grad = -g then the optimizer (SGD lr=alpha: theta += alpha g), one tensor's gradient at a time;
-            # Lightning's step makes the last call so the trainer counts one step per iteration.
-            es_step(opt.optimizer, self.selection, members, shaped, self.noise_spec, last_step=opt.step)
-            if hasattr(self.perturber, "after_step"):  # vLLM: the same update inside the engine
-                self.perturber.after_step(members, shaped, opt.optimizer.param_groups[0]["lr"])
-            opt.zero_grad(set_to_none=True)
+            self.backend.free()
+            # grad = -g, then ONE step through Lightning's optimizer (its precision and strategy plugins see
+            # it; SGD lr=alpha: theta += alpha g); the engine then sees the updated policy.
+            es_step(opt.optimizer, self.selection, members, shaped, self.noise_spec, step=opt.step)
+            self.backend.after_update()
             scheduler = self.lr_schedulers()
             if scheduler is not None:
                 scheduler.step()
@@ -197,19 +194,16 @@ class ESModule(PolicyModule):
         append_record(self.run_dir() / "seed_log.jsonl", record)
 
     def on_fit_end(self) -> None:
-        """lora: the adapter in PEFT format under final/adapter/ and the merged model in final/."""
-        if self.es.mode != "lora":
-            return super().on_fit_end()
-        from esrl.es.lora import save_final
-
+        """The trained model under final/, as the mode saves it (lora: the adapter in PEFT format under
+        final/adapter/ and the merged model in final/)."""
         if self.trainer.is_global_zero:
-            save_final(self.policy, self.tokenizer, self.run_dir() / "final")
+            self.mode.save_final(self.policy, self.tokenizer, self.run_dir() / "final")
         self.trainer.strategy.barrier("final")
 
     def on_train_start(self) -> None:
         super().on_train_start()
-        if self.trainer.ckpt_path is not None and hasattr(self.perturber, "sync"):  # vLLM: the resumed weights
-            self.perturber.sync()
+        if self.trainer.ckpt_path is not None:  # an engine with its own weights gets the resumed ones
+            self.backend.sync()
         # A resumed run rewrites the history restored from its checkpoint, so its log is complete.
         if self.trainer.is_global_zero:
             write_seed_log(self.run_dir() / "seed_log.jsonl",

@@ -1,18 +1,29 @@
-"""Seeded Gaussian noise: the population is a list of integers, never a list of tensors.
+"""Every formula of ES noise, written once: seeds, noise draws, scales, the member weight, the gradient.
 
-The seed of member i at iteration t depends on (run seed, t, i) alone, so any process can regenerate
-any member's noise; tensor j adds its index, so noise is independent across tensors (the reference code
-re-used one seed for every tensor, which correlates the noise of same-shaped tensors).
+The population is a list of integers, never a list of tensors. The seed of member i at iteration t depends on
+(run seed, t, i) alone, so any process can regenerate any member's noise; tensor j adds its index, so noise is
+independent across tensors (the reference code re-used one seed for every tensor, which correlates the noise of
+same-shaped tensors). Every consumer (in-place perturbation, population hooks, LoRA members, engine adapters,
+the update, seed-log replay) calls these functions, so their tensors are equal by construction.
+
+Noise of tensor j of member i: s_j * sign_i * eps_ij, with
+- eps_ij ~ N(0, I) on the whole tensor (`gaussian`), or
+- eps_ij = A_ij B_ij^T / sqrt(r), A (out x r) and B (in x r) standard normal (`lowrank_direction`, EGGROLL);
+- s_j = sigma (`sigma_scaling: global`) or sigma * RMS(theta_j) (`rms`, of the unperturbed tensor).
+The update ascends g_j = (1/N) sum_i z_i sign_i (s_j / sigma) eps_ij, so `global` is exactly the paper's
+g = (1/N) sum z_i eps_i; members sharing a seed (antithetic pairs) fold into one draw.
 """
 
 from __future__ import annotations
 
-import hashlib
+import math
+from collections import defaultdict
 from dataclasses import dataclass
+from typing import Literal, Sequence
 
 import torch
 
-_MASK63 = (1 << 63) - 1
+from esrl.seeding import MASK63, derive_seed
 
 
 @dataclass(frozen=True)
@@ -24,10 +35,26 @@ class Member:
     sign: float
 
 
+@dataclass(frozen=True)
+class NoiseSpec:
+    """Everything that defines a member's perturbation besides its seed; `mode` names an esrl.es.modes mode."""
+
+    mode: str = "full"
+    sigma: float = 0.001
+    rank: int = 1
+    sigma_scaling: Literal["global", "rms"] = "global"
+    lowrank_vectors: Literal["frozen", "full"] = "frozen"
+
+    @classmethod
+    def from_config(cls, cfg) -> "NoiseSpec":
+        return cls(mode=cfg.mode, sigma=cfg.sigma, rank=cfg.rank, sigma_scaling=cfg.sigma_scaling,
+                   lowrank_vectors=cfg.lowrank_vectors)
+
+
+# -- seeds ---------------------------------------------------------------------------------------------------
 def member_seed(run_seed: int, iteration: int, pair: int) -> int:
     """A 63-bit seed from (run seed, iteration, member or pair index), stable across machines and versions."""
-    digest = hashlib.blake2b(f"esrl:{run_seed}:{iteration}:{pair}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & _MASK63
+    return derive_seed("esrl", run_seed, iteration, pair)
 
 
 def population(run_seed: int, iteration: int, size: int, antithetic: bool = False) -> list[Member]:
@@ -37,11 +64,99 @@ def population(run_seed: int, iteration: int, size: int, antithetic: bool = Fals
     return [Member(i, member_seed(run_seed, iteration, i), 1.0) for i in range(size)]
 
 
-def tensor_noise(seed: int, tensor_index: int, shape: torch.Size, device: torch.device | str = "cpu",
-                 generator: torch.Generator | None = None) -> torch.Tensor:
-    """Standard normal noise in fp32 for tensor `tensor_index` of the member with `seed`."""
+def factor_seed(seed: int, tensor_index: int, part: str) -> int:
+    """Distinct 63-bit seeds for the A and B factors of (member seed, tensor index)."""
+    return derive_seed("esrl-lowrank", seed, tensor_index, part)
+
+
+# -- draws -----------------------------------------------------------------------------------------------------
+def generator_on(device: torch.device | str, generator: torch.Generator | None = None) -> torch.Generator:
+    """`generator` when it lives on `device`, else a new one there (callers keep it to reuse across tensors)."""
     device = torch.device(device)
     if generator is None or generator.device != device:
         generator = torch.Generator(device=device)
-    generator.manual_seed((seed + tensor_index) & _MASK63)
-    return torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
+    return generator
+
+
+def gaussian(seed: int, tensor_index: int, shape: Sequence[int], device: torch.device | str = "cpu",
+             generator: torch.Generator | None = None) -> torch.Tensor:
+    """Standard normal noise in fp32 for tensor `tensor_index` of the member with `seed`."""
+    generator = generator_on(device, generator)
+    generator.manual_seed((seed + tensor_index) & MASK63)
+    return torch.randn(tuple(shape), generator=generator, device=generator.device, dtype=torch.float32)
+
+
+tensor_noise = gaussian  # the name the rest of the code base and the tests know
+
+
+def lowrank_factors(seed: int, tensor_index: int, shape: Sequence[int], rank: int,
+                    device: torch.device | str = "cpu", generator: torch.Generator | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (out x r) and B (in x r), standard normal in fp32, for a 2-D tensor of `shape` = (out, in)."""
+    out_f, in_f = shape
+    a = gaussian(factor_seed(seed, tensor_index, "A"), 0, (out_f, rank), device, generator)
+    b = gaussian(factor_seed(seed, tensor_index, "B"), 0, (in_f, rank), device, generator)
+    return a, b
+
+
+def lowrank_direction(seed: int, tensor_index: int, shape: Sequence[int], rank: int,
+                      device: torch.device | str = "cpu", generator: torch.Generator | None = None) -> torch.Tensor:
+    """Dense eps = A B^T / sqrt(r) in fp32: the member-by-member reference of the low-rank noise."""
+    a, b = lowrank_factors(seed, tensor_index, shape, rank, device, generator)
+    return (a @ b.T).div_(math.sqrt(rank))
+
+
+# -- scales and the member weight -------------------------------------------------------------------------------
+def tensor_scale(p: torch.Tensor, spec: NoiseSpec, sigma: float | None = None) -> float:
+    """s_j: sigma, or sigma times the RMS of the (unperturbed) tensor."""
+    sigma = spec.sigma if sigma is None else sigma
+    if spec.sigma_scaling == "global":
+        return sigma
+    if spec.sigma_scaling == "rms":
+        return sigma * float(p.detach().float().pow(2).mean().sqrt())
+    raise ValueError(f"unknown sigma_scaling {spec.sigma_scaling!r}")
+
+
+def member_weight(p: torch.Tensor, eps: torch.Tensor, sign: float, scale: float, *,
+                  in_place: bool = False) -> torch.Tensor:
+    """theta + (sign * s) * eps in the weights' dtype: the one rounding every consumer of a member's weight shares."""
+    if in_place:
+        return p.add_(eps.to(p.dtype), alpha=sign * scale)
+    return torch.add(p, eps.to(p.dtype), alpha=sign * scale)
+
+
+def scaled_factor(a: torch.Tensor, signs: torch.Tensor, scale: float, rank: int) -> torch.Tensor:
+    """A factors (M, out, r) with each member's sign and s / sqrt(r) folded in, in place, in fp32."""
+    return a.mul_(signs.to(a.device, torch.float32).view(-1, 1, 1) * (scale / math.sqrt(rank)))
+
+
+# -- the gradient ---------------------------------------------------------------------------------------------
+def folded_coefficients(members: Sequence[Member], weights: torch.Tensor) -> dict[int, float]:
+    """seed -> sum of sign_i * w_i over members sharing that seed (antithetic pairs fold into one draw)."""
+    if weights.numel() != len(members):
+        raise ValueError(f"{weights.numel()} fitness weights for {len(members)} members")
+    coef: dict[int, float] = defaultdict(float)
+    for m, w in zip(members, weights.reshape(-1).tolist()):
+        coef[m.seed] += m.sign * w
+    return {s: c for s, c in coef.items() if c != 0.0}
+
+
+def gaussian_gradient(coef: dict[int, float], n: int, tensor_index: int, shape: Sequence[int],
+                      device: torch.device | str, generator: torch.Generator | None = None) -> torch.Tensor:
+    """(1/N) sum_k c_k eps_k for full Gaussian noise, accumulated seed by seed in fp32."""
+    g = torch.zeros(tuple(shape), dtype=torch.float32, device=device)
+    for seed, c in coef.items():
+        g.add_(gaussian(seed, tensor_index, shape, device, generator), alpha=c)
+    return g.div_(n)
+
+
+def lowrank_gradient(coef: dict[int, float], n: int, tensor_index: int, shape: Sequence[int], rank: int,
+                     device: torch.device | str, generator: torch.Generator | None = None) -> torch.Tensor:
+    """(1/N) sum_k c_k A_k B_k^T / sqrt(r) as one (out x Kr) @ (Kr x in) matmul in fp32 (no per-member matrix)."""
+    if not coef:
+        return torch.zeros(tuple(shape), dtype=torch.float32, device=device)
+    fa, fb = zip(*(lowrank_factors(s, tensor_index, shape, rank, device, generator) for s in coef))
+    c = torch.tensor(list(coef.values()), dtype=torch.float32, device=device)
+    a = (torch.stack(fa) * c.view(-1, 1, 1)).transpose(0, 1).reshape(shape[0], -1)  # (out, K r): diag(c) A
+    b = torch.stack(fb).transpose(0, 1).reshape(shape[1], -1)  # (in, K r)
+    return (a @ b.T).div_(math.sqrt(rank) * n)

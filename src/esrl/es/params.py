@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -62,3 +63,17 @@ def select_params(model: torch.nn.Module, include: list[str] | None = None, excl
         raise ValueError(f"the parameter filter (include={include}, exclude={exclude}, layers={layers!r}) "
                          "selects no parameter")
     return sel
+
+
+def param_owners(model: torch.nn.Module) -> dict[int, list[tuple[torch.nn.Module, str]]]:
+    """id(param) -> every (module, attribute name) that holds it directly (tied weights have several)."""
+    owners: dict[int, list[tuple[torch.nn.Module, str]]] = defaultdict(list)
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            owners[id(p)].append((module, name))
+    return owners
+
+
+def linear_weight_only(holders: list[tuple[torch.nn.Module, str]]) -> bool:
+    """True when every holder of a tensor is an nn.Linear holding it as its weight (not an embedding, not tied)."""
+    return bool(holders) and all(isinstance(m, torch.nn.Linear) and attr == "weight" for m, attr in holders)

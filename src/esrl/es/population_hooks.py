@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from esrl.es.noise import Member
+
 if TYPE_CHECKING:
-    from esrl.es.lowrank import NoiseSpec
-    from esrl.es.noise import Member
+    from esrl.es.noise import NoiseSpec
     from esrl.es.params import ParamSelection
 
 
@@ -61,3 +62,9 @@ class PopulationHooks:
             raise RuntimeError(f"population batch has {x.shape[0]} rows, the row -> member map "
                                f"{self.row_member.numel()}")
         return self.row_member.to(x.device)
+
+
+def member_chunks(members: Sequence[Member], members_per_chunk: int) -> list[list[Member]]:
+    """Fixed chunks of consecutive members: a member's batch companions never depend on the world size."""
+    k = max(1, members_per_chunk)
+    return [list(members[s:s + k]) for s in range(0, len(members), k)]

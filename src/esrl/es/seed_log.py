@@ -78,7 +78,7 @@ def replay(model: torch.nn.Module, header: dict[str, Any], records: list[dict[st
     """Apply the first `steps` logged ES updates to `model` (the base) in place, exactly as training did.
 
     Returns the trained model: `model` itself, or in lora mode `model` wrapped in the run's LoRA adapter
-    (rebuilt from the noise seed, then trained; esrl.es.lora.save_final saves it as training's final/ does).
+    (rebuilt from the noise seed, then trained; its mode's save_final saves it as training's final/ does).
     """
     from esrl.es.config import ESConfig
     from esrl.es.noise import population

@@ -6,35 +6,30 @@ Restore copies the backup back, so it is bit-exact whatever the dtype (subtracti
 
 from __future__ import annotations
 
-from collections import defaultdict
 from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 import torch
 
-from esrl.es.lowrank import NoiseSpec, iter_gradient, member_direction, tensor_scale
-from esrl.es.noise import Member, tensor_noise
+from esrl.es.modes import get_mode
+from esrl.es.noise import Member, NoiseSpec, folded_coefficients, generator_on, member_weight, tensor_scale
 from esrl.es.params import ParamSelection
 
 
 class Perturber:
     """Applies one member's noise in place and restores the exact previous weights.
 
-    Without a `spec` the noise is full Gaussian with one global sigma (the paper's); with one, any noise mode
-    and sigma scaling of esrl.es.lowrank (lowrank then materializes A B^T: the member-by-member reference).
+    The noise is the `spec`'s mode direction (default: full Gaussian with one global sigma, the paper's); in
+    lowrank mode it materializes A B^T, the member-by-member reference of the batched hooks.
     """
 
     def __init__(self, selection: ParamSelection, spec: NoiseSpec | None = None):
         self.selection = selection
-        self.spec = spec
+        self.spec = spec or NoiseSpec()
+        self.mode = get_mode(self.spec.mode)
         self._backup: list[torch.Tensor] | None = None
         self._perturbed = 0  # how many tensors currently differ from the backup
         self._generator: torch.Generator | None = None
-
-    def _gen(self, device: torch.device) -> torch.Generator:
-        if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device=device)
-        return self._generator
 
     @torch.no_grad()
     def perturb(self, member: Member, sigma: float | None = None) -> None:
@@ -42,20 +37,13 @@ class Perturber:
             raise RuntimeError("perturb() called while the weights are already perturbed")
         if self._backup is None:
             self._backup = [torch.empty_like(p) for p in self.selection.params]
-        spec = self.spec
-        if sigma is None:
-            if spec is None:
-                raise ValueError("perturb() needs sigma when the Perturber has no NoiseSpec")
-            sigma = spec.sigma
         for k, (j, _, p) in enumerate(self.selection):
-            scale = sigma if spec is None else tensor_scale(p, spec, sigma)  # from the unperturbed tensor
+            scale = tensor_scale(p, self.spec, sigma)  # from the unperturbed tensor
             self._backup[k].copy_(p)
             self._perturbed = k + 1
-            if spec is None:
-                noise = tensor_noise(member.seed, j, p.shape, p.device, self._gen(p.device))
-            else:
-                noise = member_direction(member.seed, j, p, spec, self._gen(p.device))
-            p.add_(noise.to(p.dtype), alpha=member.sign * scale)
+            self._generator = generator_on(p.device, self._generator)
+            eps = self.mode.direction(member.seed, j, p, self.spec, self._generator)
+            member_weight(p, eps, member.sign, scale, in_place=True)
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -85,29 +73,21 @@ class Perturber:
 @torch.no_grad()
 def es_gradient(selection: ParamSelection, members: Sequence[Member], weights: torch.Tensor,
                 spec: NoiseSpec | None = None) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
-    """Yield (param, g) with g = (1/N) sum_i w_i sign_i eps_i in fp32, one tensor at a time.
+    """Yield (param, g_j) with g_j = (1/N) sum_i w_i sign_i (s_j / sigma) eps_ij in fp32, one tensor at a time.
 
-    Members that share a seed (antithetic pairs) are folded into one noise draw. With a `spec` (lowrank
-    mode or rms sigma scaling) see esrl.es.lowrank.iter_gradient.
+    Members that share a seed (antithetic pairs) are folded into one noise draw; eps is the spec's mode's.
     """
-    if spec is not None and (spec.mode != "full" or spec.sigma_scaling != "global"):
-        yield from iter_gradient(selection, members, weights, spec)
-        return
+    spec = spec or NoiseSpec()
+    mode = get_mode(spec.mode)
     n = len(members)
-    if weights.numel() != n:
-        raise ValueError(f"{weights.numel()} fitness weights for {n} members")
-    coef: dict[int, float] = defaultdict(float)
-    for m, w in zip(members, weights.tolist()):
-        coef[m.seed] += m.sign * w
-    coef = {s: c for s, c in coef.items() if c != 0.0}
+    coef = folded_coefficients(members, weights)
     generator: torch.Generator | None = None
     for j, _, p in selection:
-        g = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-        for seed, c in coef.items():
-            if generator is None or generator.device != p.device:
-                generator = torch.Generator(device=p.device)
-            g.add_(tensor_noise(seed, j, p.shape, p.device, generator), alpha=c)
-        yield p, g.div_(n)
+        generator = generator_on(p.device, generator)
+        g = mode.gradient(coef, n, j, p, spec, generator)
+        if spec.sigma_scaling != "global":
+            g.mul_(tensor_scale(p, spec) / spec.sigma)
+        yield p, g
 
 
 @torch.no_grad()
@@ -121,6 +101,20 @@ def set_es_grads(selection: ParamSelection, members: Sequence[Member], weights: 
         p.grad = g.neg_().to(p.dtype)
 
 
+def es_step(optimizer: torch.optim.Optimizer, selection: ParamSelection, members: Sequence[Member],
+            weights: torch.Tensor, spec: NoiseSpec | None = None, step=None) -> None:
+    """grad = -g on every perturbed tensor, then ONE optimizer step, then the grads are dropped.
+
+    `step` (Lightning's LightningOptimizer.step in training, so the precision and strategy plugins see the
+    step) defaults to optimizer.step (seed-log replay): both make the same elementwise update. Memory: one
+    gradient in the weights' dtype per perturbed tensor during the step, as for any optimizer.
+    """
+    set_es_grads(selection, members, weights, spec)
+    (step or optimizer.step)()
+    for p in selection.params:
+        p.grad = None
+
+
 def weights_checksum(params: Sequence[torch.Tensor]) -> torch.Tensor:
     """A bit-sensitive int64 checksum of the weights: any one-ulp drift between ranks changes it."""
     total = torch.zeros((), dtype=torch.int64)
@@ -128,25 +122,3 @@ def weights_checksum(params: Sequence[torch.Tensor]) -> torch.Tensor:
         bits = p.detach().reshape(-1).view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[p.element_size()])
         total += (bits.to(torch.int64).sum() * (k + 1)).cpu()
     return total
-
-
-def es_step(optimizer: torch.optim.Optimizer, selection: ParamSelection, members: Sequence[Member],
-            weights: torch.Tensor, spec: NoiseSpec | None = None, last_step=None) -> None:
-    """The optimizer step on grad = -g, streamed tensor by tensor: one gradient alive at a time.
-
-    Torch optimizers skip parameters whose grad is None and keep per-parameter state, so stepping on each
-    tensor's gradient in turn is elementwise the same update as one step over all gradients (SGD with or
-    without momentum and weight decay, Adam), without holding a model-sized set of .grad tensors.
-    `last_step` (e.g. Lightning's optimizer wrapper's step, so that the trainer counts one step) makes the
-    final call; it defaults to optimizer.step.
-    """
-    pending: torch.nn.Parameter | None = None
-    for p, g in es_gradient(selection, members, weights, spec):
-        if pending is not None:
-            optimizer.step()
-            pending.grad = None
-        p.grad = g.neg_().to(p.dtype)
-        pending = p
-    (last_step or optimizer.step)()
-    if pending is not None:
-        pending.grad = None

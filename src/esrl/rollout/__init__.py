@@ -1,20 +1,34 @@
-"""Generation engines behind one interface."""
+"""Generation engines behind one interface (esrl.rollout.base.RolloutEngine)."""
 
-from esrl.rollout.base import Completion, RolloutConfig, RolloutEngine
-from esrl.rollout.hf import HFEngine, render_prompts
+from esrl.rollout.base import (AdapterSpec, Completion, EngineCapabilities, RolloutConfig, RolloutEngine,
+                               RowWeights)
+from esrl.rollout.hf import HFEngine
+from esrl.rollout.text import cut_at_stop, render_prompts
 
 
-def build_engine(config: RolloutConfig, model, tokenizer, **options) -> RolloutEngine:
-    """`options` go to the vLLM engine (lora_rank, lora_target_modules for ES lowrank / lora member adapters,
-    see esrl.rollout.vllm.es_engine_options); the HF engine takes none."""
+def engine_capabilities(config: RolloutConfig, adapters: AdapterSpec | None = None) -> EngineCapabilities:
+    """What `build_engine(config, ..., adapters=adapters)` will be able to do, known before it is built."""
+    if config.engine == "hf":
+        return HFEngine.capabilities
+    if config.engine == "vllm":
+        from esrl.rollout.vllm import VLLMEngine
+
+        return VLLMEngine.capabilities_for(config, adapters)
+    raise ValueError(f"rollout.engine: unknown engine {config.engine!r}")
+
+
+def build_engine(config: RolloutConfig, model, tokenizer, adapters: AdapterSpec | None = None) -> RolloutEngine:
+    """The configured engine. `adapters`: the row adapters it must be able to run (engines whose capabilities
+    say row_adapters); engines that share the policy's weights need none and ignore it."""
     if config.engine == "hf":
         return HFEngine(model, tokenizer, max_batch_size=config.max_batch_size)
     if config.engine == "vllm":  # imported lazily: vllm is an optional dependency
         from esrl.rollout.vllm import VLLMEngine
 
         dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        return VLLMEngine(model.name_or_path, tokenizer, config, dtype=dtype, hf_model=model, **options)
+        return VLLMEngine(model.name_or_path, tokenizer, config, dtype=dtype, hf_model=model, adapters=adapters)
     raise ValueError(f"rollout.engine: unknown engine {config.engine!r}")
 
 
-__all__ = ["Completion", "HFEngine", "RolloutConfig", "RolloutEngine", "build_engine", "render_prompts"]
+__all__ = ["AdapterSpec", "Completion", "EngineCapabilities", "HFEngine", "RolloutConfig", "RolloutEngine",
+           "RowWeights", "build_engine", "cut_at_stop", "engine_capabilities", "render_prompts"]

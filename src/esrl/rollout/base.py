@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, Sequence
+from typing import Any, Callable, ClassVar, Literal, Sequence
+
+import torch
 
 from esrl.tasks.base import Prompt
 
@@ -48,7 +52,78 @@ class Completion:
     """True when generation hit max_new_tokens without EOS or a stop string."""
 
 
-class RolloutEngine(Protocol):
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine can do; algorithms branch on these flags, never on the engine's type or attributes."""
+
+    shares_policy_weights: bool
+    """True: the engine generates with the policy module itself, so in-place weight changes (and forward hooks
+    on it) take effect at once. False: the engine holds its own copy, which `load_weights` refreshes."""
+    row_adapters: bool
+    """True: one generate can run every row with its own LoRA adapter (`add_adapters`), so a population runs
+    as member adapters on the engine's unperturbed weights."""
+    sleeps: bool
+    """True: `sleep` frees the engine's accelerator memory between uses (and any later use wakes it)."""
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """LoRA adapters an algorithm will ask the engine to run per row: the engine is built to fit them."""
+
+    rank: int
+    """Their rank (the largest, when ranks differ)."""
+    target_modules: tuple[str, ...] = ()
+    """Module name suffixes (HF names, e.g. q_proj) that carry adapters; empty: the engine's default."""
+    field: str = "adapter rank"
+    """The config field the rank comes from, named in the error when the engine cannot run that rank."""
+
+
+RowWeights = Callable[[torch.Tensor], AbstractContextManager]
+"""A population's per-row weights: called with the (rows,) row -> member map of one population-batched generate,
+it returns a context manager that the engine enters around that generate. Engines that share the policy's
+weights run the rows while it is entered (it installs per-row hooks on the policy; what it yields is unused);
+engines with row adapters take what it yields: one adapter id (`add_adapters`) per member."""
+
+
+class RolloutEngine(ABC):
+    """Generation for both algorithms and their evaluation; see EngineCapabilities for what differs."""
+
+    capabilities: ClassVar[EngineCapabilities]
+
+    @abstractmethod
     def generate(self, prompts: Sequence[Prompt], *, max_new_tokens: int, greedy: bool = True,
                  temperature: float = 1.0, top_p: float = 1.0, stop: Sequence[str] = (),
-                 num_return_sequences: int = 1, seed: int | None = None) -> list[Completion]: ...
+                 num_return_sequences: int = 1, seed: int | None = None,
+                 min_new_tokens: int | None = None) -> list[Completion]:
+        """Completions of every prompt (num_return_sequences each, prompt-major) with the current weights."""
+
+    @abstractmethod
+    def generate_population(self, prompts: Sequence[Prompt], num_members: int, row_weights: RowWeights, *,
+                            max_new_tokens: int, stop: Sequence[str] = (),
+                            min_new_tokens: int | None = None) -> list[list[Completion]]:
+        """Greedy completions[member][prompt] of `num_members` members on the same prompts in ONE batched
+        generation. Rows are member-major (row k is member k // len(prompts), prompt k % len(prompts)); the engine
+        enters `row_weights(row_member)` around the generation and never splits the batch, so a member's batch
+        companions are the caller's decision."""
+
+    def load_weights(self, weights: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the engine's weights (engines that share the policy's need none)."""
+        if not self.capabilities.shares_policy_weights:
+            raise NotImplementedError(f"{type(self).__name__} must implement load_weights")
+
+    def add_adapters(self, adapters: Sequence[dict[str, tuple[torch.Tensor, torch.Tensor]]]) -> list[int]:
+        """Register LoRA adapters {HF module: (lora_A (r x in), lora_B (out x r), scaling folded in)}; their ids."""
+        raise NotImplementedError(f"{type(self).__name__} runs no row adapters")
+
+    def remove_adapters(self, ids: Sequence[int]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} runs no row adapters")
+
+    def set_default_adapter(self, adapter: dict[str, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+        """An adapter every plain `generate` uses from now on (None: the bare weights)."""
+        raise NotImplementedError(f"{type(self).__name__} runs no row adapters")
+
+    def sleep(self) -> None:
+        """Free accelerator memory until the next use (a no-op for engines that cannot)."""
+
+    def wake_up(self) -> None:
+        """Undo `sleep` (every use wakes the engine itself; calling this is never required)."""

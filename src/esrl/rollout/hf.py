@@ -2,28 +2,19 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import Callable, ContextManager, Sequence
+from typing import Sequence
 
 import torch
 
-from esrl.rollout.base import Completion
+from esrl.rollout.base import Completion, EngineCapabilities, RolloutEngine, RowWeights
+from esrl.rollout.text import cut_at_stop, render_prompts
 from esrl.tasks.base import Prompt
 
 
-def render_prompts(tokenizer, prompts: Sequence[Prompt]) -> list[str]:
-    """Chat prompts through the tokenizer's chat template; raw prompts as they are."""
-    return [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) if isinstance(p, list)
-            else p for p in prompts]
-
-
-def _cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
-    cut = min((i + len(s) for s in stop if (i := text.find(s)) >= 0), default=-1)
-    return (text[:cut], True) if cut >= 0 else (text, False)
-
-
-class HFEngine:
+class HFEngine(RolloutEngine):
     """Generates with the policy module itself, so in-place weight changes (ES) take effect at once."""
+
+    capabilities = EngineCapabilities(shares_policy_weights=True, row_adapters=False, sleeps=False)
 
     def __init__(self, model, tokenizer, max_batch_size: int = 64):
         self.model = model
@@ -46,23 +37,15 @@ class HFEngine:
         return out
 
     @torch.inference_mode()
-    def generate_population(self, prompts: Sequence[Prompt], num_members: int,
-                            row_context: Callable[[torch.Tensor], ContextManager] | None = None, *,
+    def generate_population(self, prompts: Sequence[Prompt], num_members: int, row_weights: RowWeights, *,
                             max_new_tokens: int, stop: Sequence[str] = (),
                             min_new_tokens: int | None = None) -> list[list[Completion]]:
-        """Greedy completions of `num_members` members on the same prompts in ONE batched generate.
-
-        Rows are member-major (row k is member k // len(prompts), prompt k % len(prompts)); `row_context`
-        receives that (rows,) row -> member index tensor and is entered around the generate call (it installs
-        the per-row perturbation, e.g. esrl.es.lowrank.PopulationPerturbation). The caller chooses the chunk
-        of members; this never splits it, so a member's batch companions are the caller's decision.
-        Returns completions[member][prompt].
-        """
+        """RolloutEngine.generate_population: `row_weights` installs per-row forward hooks on the policy
+        (e.g. esrl.es.modes.lowrank.PopulationPerturbation) while the one generate runs."""
         texts = render_prompts(self.tokenizer, prompts)
         n_prompts = len(texts)
         row_member = torch.arange(num_members).repeat_interleave(n_prompts)
-        context = row_context(row_member) if row_context is not None else nullcontext()
-        with context:
+        with row_weights(row_member):
             flat = self._generate_chunk(texts * num_members, max_new_tokens, True, 1.0, 1.0, list(stop), 1,
                                         min_new_tokens)
         return [flat[i * n_prompts:(i + 1) * n_prompts] for i in range(num_members)]
@@ -99,5 +82,5 @@ class HFEngine:
         elif tok.pad_token_id is not None and tok.pad_token_id in ids:  # finished by a stop string
             ids = ids[: ids.index(tok.pad_token_id)]
         text = tok.decode(ids, skip_special_tokens=True)
-        text, stopped = _cut_at_stop(text, stop)
+        text, stopped = cut_at_stop(text, stop)
         return Completion(text=text, token_ids=ids, truncated=not (ended or stopped) and len(ids) >= max_new_tokens)

@@ -1,39 +1,32 @@
-"""ESWorkerExtension: ES and weight loading inside vLLM's worker, addressed by Hugging Face parameter names.
+"""WeightsWorkerExtension: weights and adapters inside vLLM's worker, addressed by Hugging Face names.
 
 vLLM mixes this class into its worker (`worker_extension_cls`); esrl.rollout.vllm.VLLMEngine calls its `esrl_`
 methods through `collective_rpc`. It runs in vLLM's worker (the same process with the in-process engine core):
 
-- noise: `esrl.es.noise.tensor_noise(seed, j, hf_shape)` with j the tensor's index in the HF model's
-  `named_parameters()` (the driver passes the name -> (index, shape) table), so it equals the HF engine's
-  noise for the same (iteration, member, tensor);
+- names: the driver passes the HF model's `named_parameters()` table (name -> shape) at setup;
 - fused tensors: vLLM stores q/k/v in `qkv_proj` and gate/up in `gate_up_proj` (the model's
   `packed_modules_mapping`); an HF tensor is a block of rows of the fused tensor, its view is edited in place;
-- tensor parallelism: with tp > 1 each worker holds a shard; the full HF-shaped noise is drawn on every
-  worker and the worker's slice is taken (column-parallel layers: rows, row-parallel: columns). Models
+- tensor parallelism: with tp > 1 each worker holds a shard; a full HF-shaped tensor is sliced to the
+  worker's part (column-parallel layers: rows, row-parallel: columns). Models
   whose KV heads are replicated across ranks (num_kv_heads < tp) or whose vocabulary is padded under tp
   are refused. tp > 1 is written but untested here (this machine has no GPUs);
 - CPU: vLLM's CPU platform pre-packs linear weights (oneDNN / sgl kernels) and empties `weight`, so an
   in-place edit would not reach the kernels. The extension keeps plain weights instead: at setup it puts
   the checkpoint's weights back into plain `weight` tensors and routes the layers' `cpu_linear` to
   `torch.nn.functional.linear` on the live weight (also the tied/untied LM head, whose packed copy would
-  otherwise go stale). Every later change is then an in-place edit the next forward sees. GPU weights are
+  otherwise go stale). Every later change is then an in-place copy the next forward sees. GPU weights are
   plain already;
-- restore is a copy from a backup taken at perturb time: bit-exact. The update replays
-  `esrl.es.update.set_es_grads` + `SGD(lr=alpha)` elementwise (g accumulated in fp32 seed by seed, divided
-  by N, `p.add_((-g).to(dtype), alpha=-alpha)`), so it is bit-identical to the HF engine's update;
-- population adapters: lowrank members' LoRA factors are drawn here from their seeds, exactly as
-  esrl.es.lowrank draws them, and registered in memory in the worker's adapter cache.
+- adapters: LoRA adapters given as tensors are registered in memory in the worker's adapter cache.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
 import torch
 
 
-class ESWorkerExtension:
+class WeightsWorkerExtension:
     """Mixed into vLLM's worker (`worker_extension_cls`); every method is called with `collective_rpc`.
 
     Methods are prefixed `esrl_` so they never collide with the worker's own."""
@@ -48,9 +41,6 @@ class ESWorkerExtension:
         from vllm.platforms import current_platform
 
         model = self._esrl_model()
-        self._esrl_hf = {name: (j, torch.Size(shape)) for j, (name, shape) in enumerate(hf_params)}
-        self._esrl_backup: dict[str, torch.Tensor] = {}
-        self._esrl_generator: torch.Generator | None = None
         tp_rank, tp = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         plain = False
         if current_platform.is_cpu():
@@ -59,77 +49,6 @@ class ESWorkerExtension:
         if plain:  # the packed kernels had the weights; put the checkpoint's back into the plain tensors
             _esrl_load_checkpoint(self, model_path)
         return {"tp_rank": tp_rank, "tp": tp, "plain_cpu_weights": plain, "mapped": len(self._esrl_views)}
-
-    def _esrl_gen(self, device: torch.device) -> torch.Generator:
-        if self._esrl_generator is None or self._esrl_generator.device != device:
-            self._esrl_generator = torch.Generator(device=device)
-        return self._esrl_generator
-
-    def _esrl_noise(self, seed: int, name: str, device: torch.device) -> torch.Tensor:
-        from esrl.es.noise import tensor_noise
-
-        j, shape = self._esrl_hf[name]
-        return tensor_noise(seed, j, shape, device, self._esrl_gen(device))
-
-    @torch.no_grad()
-    def esrl_perturb(self, seed: int, sign: float, sigma: float | list[float], names: list[str]) -> None:
-        """theta_name += sign * s * eps(seed, index(name)), as esrl.es.update.Perturber does; s is sigma, or
-        one scale per name (sigma_scaling rms: the driver computes them from the HF policy's tensors)."""
-        if self._esrl_backup:
-            raise RuntimeError("esrl_perturb called while the weights are already perturbed")
-        scales = sigma if isinstance(sigma, (list, tuple)) else [sigma] * len(names)
-        for name, scale in zip(names, scales):
-            view, shard = self._esrl_views[name]
-            self._esrl_backup[name] = view.clone()
-            view.add_(shard(self._esrl_noise(seed, name, view.device)).to(view.dtype), alpha=sign * scale)
-
-    @torch.no_grad()
-    def esrl_restore(self) -> None:
-        for name, saved in self._esrl_backup.items():
-            self._esrl_views[name][0].copy_(saved)
-        self._esrl_backup = {}
-
-    @torch.no_grad()
-    def esrl_update(self, seeds: list[int], signs: list[float], weights: list[float], alpha: float, n: int,
-                    names: list[str]) -> None:
-        """theta += alpha * (1/n) sum_i w_i sign_i eps_i, elementwise as set_es_grads + SGD(lr=alpha)."""
-        if self._esrl_backup:
-            raise RuntimeError("esrl_update called while the weights are perturbed")
-        coef: dict[int, float] = defaultdict(float)
-        for s, sg, w in zip(seeds, signs, weights):
-            coef[s] += sg * w
-        coef = {s: c for s, c in coef.items() if c != 0.0}
-        for name in names:
-            view, shard = self._esrl_views[name]
-            _, shape = self._esrl_hf[name]
-            g = torch.zeros(shape, dtype=torch.float32, device=view.device)
-            for s, c in coef.items():
-                g.add_(self._esrl_noise(s, name, view.device), alpha=c)
-            grad = shard(g.div_(n).neg_()).to(view.dtype)
-            view.add_(grad, alpha=-alpha)
-
-    @torch.no_grad()
-    def esrl_update_lowrank(self, seeds: list[int], signs: list[float], weights: list[float], alpha: float,
-                            n: int, names: list[str], rank: int) -> None:
-        """The lowrank ES update (sigma_scaling global, plain SGD): esrl.es.lowrank.lowrank_gradient on each
-        named matrix, then p += alpha * g elementwise as SGD(lr=alpha) on grad = -g: bit-identical to HF."""
-        from types import SimpleNamespace
-
-        from esrl.es.lowrank import NoiseSpec, lowrank_gradient
-
-        if self._esrl_backup:
-            raise RuntimeError("esrl_update_lowrank called while the weights are perturbed")
-        coef: dict[int, float] = defaultdict(float)  # as esrl.es.lowrank.folded_coefficients
-        for s, sg, w in zip(seeds, signs, weights):
-            coef[s] += sg * w
-        coef = {s: c for s, c in coef.items() if c != 0.0}
-        spec = NoiseSpec(mode="lowrank", rank=rank)
-        for name in names:
-            view, shard = self._esrl_views[name]
-            j, shape = self._esrl_hf[name]
-            g = lowrank_gradient(coef, n, j, SimpleNamespace(shape=shape, device=view.device), spec,
-                                 self._esrl_gen(view.device))
-            view.add_(shard(g.neg_()).to(view.dtype), alpha=-alpha)
 
     @torch.no_grad()
     def esrl_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
@@ -152,8 +71,7 @@ class ESWorkerExtension:
         return runner.lora_manager._adapter_manager
 
     @torch.no_grad()
-    def esrl_add_adapters(self, adapters: list[tuple[int, dict[str, tuple[torch.Tensor, torch.Tensor]]]],
-                          rank: int) -> None:
+    def esrl_add_adapters(self, adapters: list[tuple[int, dict[str, tuple[torch.Tensor, torch.Tensor]]]]) -> None:
         """Register in-memory adapters: (lora id, {HF module name: (lora_A (r x in), lora_B (out x r))}).
 
         Built as vLLM builds a PEFT checkpoint (LoRAModel.from_lora_tensors, lora_alpha = r so the scaling
@@ -172,6 +90,7 @@ class ESWorkerExtension:
         mapper = mapper.get_rename_mapper() if mapper is not None else None
         config = manager.lora_config
         for lora_id, modules in adapters:
+            rank = max(lora_a.shape[0] for lora_a, _ in modules.values())
             helper = PEFTHelper.from_dict({"r": rank, "lora_alpha": rank, "target_modules": sorted(
                 {m.rsplit(".", 1)[-1] for m in modules})})
             helper.validate_legal(config)
@@ -188,33 +107,6 @@ class ESWorkerExtension:
                 manager.remove_adapter(lora_id)
                 raise RuntimeError(f"esrl: vLLM has no LoRA layer for {', '.join(missing[:3])}: exclude these "
                                    "tensors from model.es (include/exclude) or use rollout.engine: hf")
-
-    @torch.no_grad()
-    def esrl_add_lowrank_adapters(self, ids: list[int], seeds: list[int], signs: list[float], names: list[str],
-                                  scales: list[float], rank: int) -> None:
-        """Member k's adapter from its seed: on every HF weight W_j (out x in) named in `names`, lora_A = B^T,
-        lora_B = sign * s_j / sqrt(r) * A with (A, B) = lowrank_factors(seed, j, shape, r): the same factors,
-        drawn on the same device, as esrl.es.lowrank.PopulationPerturbation's hooks."""
-        import math
-
-        from esrl.es.lowrank import lowrank_factors
-
-        sqrt_r = math.sqrt(rank)
-        adapters = []
-        for lora_id, seed, sign in zip(ids, seeds, signs):
-            modules = {}
-            sign_t = torch.tensor([sign], dtype=torch.float32)
-            for name, scale in zip(names, scales):
-                view, _ = self._esrl_views[name]
-                j, shape = self._esrl_hf[name]
-                if len(shape) != 2:
-                    raise RuntimeError(f"esrl: {name} is not a matrix; a LoRA adapter cannot perturb it")
-                a, b = lowrank_factors(seed, j, shape, rank, view.device, self._esrl_gen(view.device))
-                # as PopulationPerturbation: A * (sign * (s / sqrt r)) in fp32, then the weights' dtype
-                a = a.unsqueeze(0).mul_(sign_t.to(view.device).view(-1, 1, 1) * (scale / sqrt_r))[0]
-                modules[name.removesuffix(".weight")] = (b.to(view.dtype).T.contiguous(), a.to(view.dtype))
-            adapters.append((lora_id, modules))
-        self.esrl_add_adapters(adapters, rank)
 
     def esrl_remove_adapters(self, ids: list[int]) -> None:
         manager = self._esrl_lora_manager()
@@ -302,7 +194,7 @@ def _shard_fn(dim: int, rank: int, size: int, rest: tuple = ()):
     return lambda t: t.narrow(dim, rank * size, size)
 
 
-def _esrl_load_checkpoint(worker: ESWorkerExtension, model_path: str) -> None:
+def _esrl_load_checkpoint(worker: WeightsWorkerExtension, model_path: str) -> None:
     from pathlib import Path
 
     from safetensors import safe_open
@@ -322,4 +214,3 @@ def _esrl_load_checkpoint(worker: ESWorkerExtension, model_path: str) -> None:
         raise RuntimeError(f"esrl: {model_path} lacks {sorted(missing)[:3]} (needed to unpack CPU weights)")
 
 
-# -- the driver side ----------------------------------------------------------------------------------------

@@ -1,0 +1,268 @@
+"""`lora`: ES over the parameters of a PEFT LoRA adapter, and its population-batched generation.
+
+The policy is wrapped in a LoRA adapter (PEFT): every targeted nn.Linear computes
+y = x W^T + (alpha_lora / r) (x A^T) B^T with A (r x in) and B (out x r). ES perturbs and updates only the
+adapter's A and B with full Gaussian noise, exactly as `full` mode does on whole tensors (same seeds, same
+tensor_noise, same gradient and optimizer code): the ES search runs in adapter space, r (in + out) numbers
+per adapted layer instead of in x out.
+
+Initialization: B = 0, so the adapter starts as the identity (the wrapped model IS the base model);
+A ~ U(-1/sqrt(in), 1/sqrt(in)) (`lora_init: kaiming`, PEFT's default, kaiming-uniform with a = sqrt 5) or
+N(0, 1/r^2) (`gaussian`, PEFT's "gaussian"). A is drawn here, on the CPU, from a seed derived from the run's
+noise seed and the tensor index, not by PEFT from the global RNG: every process (and `esrl export`) builds the
+identical adapter whatever its device or RNG state. With B = 0 the first iterations move B only to first
+order (the perturbation of the product is s (eps_B A + B eps_A) + s^2 eps_B eps_A), as LoRA's gradient does.
+
+Population batching: lora_A and lora_B are plain nn.Linear modules inside PEFT's LoRA layers. For a chunk of
+M members each gets the stacked perturbed weights (M, r, in) / (M, out, r), A + s sign_i eps_i, and a forward
+hook replaces the module's output by each row's own x A_i^T (then t B_i^T) through one bmm, so PEFT's own
+forward (dtype casts, scaling, base layer) runs unchanged around the per-row factors. Rows are member-major
+(all rows of member 0, then member 1, ...): x is then viewed as (M, rows_per_member * seq, in) with no
+gather; any other row -> member map gathers per row. No weight is copied into the model or modified; hooks
+are removed however the block exits. Memory: M x r (in + out) numbers per adapted layer while the block runs.
+
+On an engine with its own weights (vLLM) the engine keeps the base weights; the policy's adapter rides on every
+plain generate (`policy_adapter`) and each member is its perturbed copy of that adapter (`member_adapters`).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from esrl.errors import ConfigError, require
+from esrl.es.modes.base import Adapter, NoiseMode
+from esrl.es.noise import gaussian, generator_on, member_weight, tensor_scale
+from esrl.es.params import ParamSelection, linear_weight_only, param_owners, parse_layer_ranges
+from esrl.es.population_hooks import PopulationHooks
+from esrl.rollout.base import AdapterSpec
+from esrl.seeding import derive_seed
+
+_ADAPTER = re.compile(r"\.lora_[AB]\.")
+
+
+class LoraMode(NoiseMode):
+    name = "lora"
+    batched = True
+
+    def validate(self, cfg) -> None:
+        require(cfg.lora_rank >= 1, "model.es.lora_rank", f"must be >= 1, got {cfg.lora_rank}")
+        require(cfg.lora_alpha > 0, "model.es.lora_alpha", f"must be > 0, got {cfg.lora_alpha}")
+        require(bool(cfg.lora_target_modules) and all(isinstance(m, str) and m for m in cfg.lora_target_modules),
+                "model.es.lora_target_modules", f"must be a non-empty list of module names, got "
+                f"{cfg.lora_target_modules!r}")
+        require(cfg.lora_init in ("kaiming", "gaussian"), "model.es.lora_init",
+                f"choose kaiming or gaussian, got {cfg.lora_init!r}")
+        require(cfg.sigma_scaling == "global", "model.es.sigma_scaling",
+                "lora mode needs global (the adapter's B starts at 0: sigma * RMS(B) = 0 would never perturb it)")
+
+    def wrap_policy(self, model, cfg, seed) -> torch.nn.Module:
+        return wrap_lora(model, cfg, seed)
+
+    def select(self, model, selection, cfg) -> ParamSelection:
+        try:
+            return lora_selection(selection, cfg.include)
+        except ValueError as e:
+            raise ConfigError(f"model.es.include: {e}") from None
+
+    def population(self, model, selection, spec, members, row_member) -> PopulationHooks:
+        return LoraPopulation(model, selection, spec, members, row_member)
+
+    def adapter_spec(self, cfg, model) -> AdapterSpec:
+        return AdapterSpec(int(cfg.lora_rank), tuple(m.rsplit(".", 1)[-1] for m in cfg.lora_target_modules),
+                           "model.es.lora_rank")
+
+    def policy_adapter(self, model) -> Adapter:
+        return lora_adapters(model)[0]
+
+    def member_adapters(self, model, selection, spec, members) -> list[Adapter]:
+        return lora_adapters(model, selection, spec, members)
+
+    def save_final(self, policy, tokenizer, out) -> Path:
+        return save_final(policy, tokenizer, out)
+
+
+def _init_seed(seed: int, tensor_index: int) -> int:
+    return derive_seed("esrl-lora-init", seed, tensor_index)
+
+
+def wrap_lora(model: torch.nn.Module, cfg, seed: int) -> torch.nn.Module:
+    """The model wrapped in a fresh LoRA adapter (a peft PeftModel), initialized from `seed` (see module doc).
+
+    cfg is an ESConfig: lora_rank, lora_alpha, lora_target_modules, layers (the layers that get an adapter),
+    lora_init. The adapter is injected into `model` in place (its targeted nn.Linear become LoRA layers), so
+    anything generating with `model` itself generates with the adapter too.
+    """
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ConfigError("model.es.mode: lora needs the peft package (pip install 'esrl[peft]')") from None
+    layers = parse_layer_ranges(cfg.layers)
+    config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=list(cfg.lora_target_modules),
+                        layers_to_transform=sorted(layers) if layers is not None else None, lora_dropout=0.0,
+                        bias="none", task_type="CAUSAL_LM")
+    try:
+        with torch.random.fork_rng(devices=[]):  # PEFT's own init draws from the global RNG; ours replaces it
+            peft_model = get_peft_model(model, config)
+    except ValueError as e:  # e.g. "Target modules {...} not found in the base model"
+        field = "model.es.lora_target_modules" + ("" if layers is None else " / model.es.layers")
+        raise ConfigError(f"{field}: {e}".splitlines()[0]) from None
+    init_adapter(peft_model, seed, cfg.lora_init)
+    return peft_model
+
+
+@torch.no_grad()
+def init_adapter(model: torch.nn.Module, seed: int, init: str = "kaiming") -> None:
+    """A from a seeded CPU generator (per tensor index), B = 0: the identity adapter, the same on any device."""
+    generator = torch.Generator(device="cpu")
+    for j, (name, p) in enumerate(model.named_parameters()):
+        if ".lora_B." in name:
+            p.zero_()
+        elif ".lora_A." in name:
+            generator.manual_seed(_init_seed(seed, j))
+            r, fan_in = p.shape
+            if init == "kaiming":
+                bound = 1.0 / math.sqrt(fan_in)
+                a = torch.rand(p.shape, generator=generator, dtype=torch.float32).mul_(2 * bound).sub_(bound)
+            elif init == "gaussian":
+                a = torch.randn(p.shape, generator=generator, dtype=torch.float32).div_(r)
+            else:
+                raise ValueError(f"unknown lora_init {init!r}")
+            p.copy_(a.to(p.device, p.dtype))
+
+
+def lora_selection(selection: ParamSelection, include: Sequence[str] = ()) -> ParamSelection:
+    """The adapter's lora_A / lora_B weights out of `selection` (base weights are never perturbed in lora mode).
+
+    Raises ValueError when none is left, or when an explicit include pattern names only base weights.
+    """
+    out = ParamSelection([], [], [])
+    for j, name, p in selection:
+        if _ADAPTER.search(name):
+            out.indices.append(j)
+            out.names.append(name)
+            out.params.append(p)
+    inc = [re.compile(x) for x in include]
+    dead = [x.pattern for x in inc if not any(x.search(n) for n in out.names)]
+    if dead:
+        raise ValueError(f"lora mode perturbs only the adapter's lora_A / lora_B weights; {', '.join(dead)} "
+                         "matches none of them")
+    if not out.params:
+        raise ValueError("lora mode: the parameter filter selects no lora_A / lora_B weight")
+    return out
+
+
+class LoraPopulation(PopulationHooks):
+    """Forward hooks giving every batch row its member's perturbed adapter during one batched generate.
+
+    The same interface as esrl.es.modes.lowrank.PopulationPerturbation (esrl.es.population_hooks). Every selected
+    tensor must be the weight of an nn.Linear (PEFT's lora_A / lora_B are).
+    """
+
+    mode = "lora"
+
+    @torch.no_grad()
+    def _install(self) -> None:
+        owners = param_owners(self.model)
+        generator: torch.Generator | None = None
+        for j, name, p in self.selection:
+            holders = owners[id(p)]
+            if not linear_weight_only(holders):
+                raise ValueError(f"lora population batching perturbs nn.Linear weights only, not {name}")
+            generator = generator_on(p.device, generator)
+            weights = _member_weights(self.members, j, p, self.spec, generator)  # (M, out, in)
+            for module, _ in holders:
+                self._handles.append(module.register_forward_hook(self._hook(weights)))
+
+    def _hook(self, weights: torch.Tensor):
+        m = weights.shape[0]
+
+        def hook(module, args, out):
+            x = args[0]
+            idx = self._rows(x)
+            if self.per_member:  # (M, rows/M * seq, in) @ (M, in, out)
+                y = torch.bmm(x.reshape(m, -1, x.shape[-1]), weights.transpose(1, 2))
+            else:
+                y = torch.bmm(x.reshape(x.shape[0], -1, x.shape[-1]), weights[idx].transpose(1, 2))
+            y = y.view(out.shape)
+            return y if module.bias is None else y + module.bias
+
+        return hook
+
+
+def _member_weights(members, j: int, p: torch.Tensor, spec, generator) -> torch.Tensor:
+    """(M, *p.shape): each member's perturbed copy of tensor p, exactly as the in-place perturbation writes it."""
+    scale = tensor_scale(p, spec)
+    return torch.stack([member_weight(p, gaussian(m.seed, j, p.shape, p.device, generator), m.sign, scale)
+                        for m in members])
+
+
+def peft_lora_modules(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Parameter, torch.nn.Parameter, float]]:
+    """HF module name -> (lora_A weight (r x in), lora_B weight (out x r), scaling) of every PEFT LoRA layer
+    (adapter `default`) of a PEFT-wrapped policy."""
+    from peft.tuners.lora import LoraLayer
+
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer) and "default" in module.lora_A:
+            out[name.removeprefix("base_model.model.")] = (module.lora_A["default"].weight,
+                                                           module.lora_B["default"].weight,
+                                                           float(module.scaling["default"]))
+    if not out:
+        raise RuntimeError("esrl: the policy has no PEFT LoRA layer (adapter 'default')")
+    return out
+
+
+@torch.no_grad()
+def lora_adapters(model: torch.nn.Module, selection: ParamSelection | None = None, spec=None,
+                  members: Sequence = ()) -> list[Adapter]:
+    """Adapters (lora_A, scaling * lora_B) of a PEFT policy: its current adapter when `members` is empty, else one
+    per member with the selected lora_A / lora_B tensors perturbed exactly as LoraPopulation perturbs them.
+    Engines such as vLLM fold the scaling into lora_B the same way (LoRALayerWeights.optimize); PEFT multiplies
+    after lora_B instead, which is the same number when the scaling is a power of two (the default
+    lora_alpha = 2 r) and may differ in the last bit else."""
+    modules = peft_lora_modules(model)
+    if not members:
+        return [{n: (a, b * s if s != 1.0 else b) for n, (a, b, s) in modules.items()}]
+    where = {}
+    for name, (a, b, _) in modules.items():
+        where[id(a)], where[id(b)] = (name, 0), (name, 1)
+    adapters = [{n: [a, b] for n, (a, b, _) in modules.items()} for _ in members]
+    generator: torch.Generator | None = None
+    for j, pname, p in selection:
+        if id(p) not in where:
+            raise RuntimeError(f"esrl: {pname} is not a lora_A / lora_B weight of a PEFT LoRA layer")
+        name, k = where[id(p)]
+        generator = generator_on(p.device, generator)
+        for adapter, weight in zip(adapters, _member_weights(members, j, p, spec, generator)):
+            adapter[name][k] = weight
+    return [{n: (a, b * modules[n][2] if modules[n][2] != 1.0 else b) for n, (a, b) in adapter.items()}
+            for adapter in adapters]
+
+
+def save_final(policy: torch.nn.Module, tokenizer, out: str | Path) -> Path:
+    """A trained model in Hugging Face format under `out` (loadable by from_pretrained).
+
+    A PEFT-wrapped policy (mode lora) also leaves its adapter in PEFT format under `out/adapter/`
+    (PeftModel.from_pretrained(base, out/adapter)); `out` then holds the merged model (W + scaling B A, merged
+    by PEFT on a copy, so the policy itself keeps its adapter).
+    """
+    out = Path(out)
+    try:
+        from peft import PeftModel
+    except ImportError:
+        PeftModel = ()
+    if isinstance(policy, PeftModel):
+        policy.save_pretrained(out / "adapter", safe_serialization=True)
+        merged = copy.deepcopy(policy).merge_and_unload()
+        merged.save_pretrained(out, safe_serialization=True)
+        del merged
+    else:
+        policy.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
