@@ -8,15 +8,17 @@ VLLMEngine (esrl.rollout.vllm), as ESModule uses it; its start-up is timed apart
 
 Each mode runs in its own fresh process (so the peak-RSS figures do not mix):
 - floor:   one plain `LLM.generate` of the N x P = 60 sequences with the base weights (no LoRA).
-- lowrank: one whole ES iteration (rank 1) as ESModule runs it on vLLM: every member a LoRA adapter built
-           from its seed inside the worker, ONE generate of 60 rows with a per-row `lora_request`, rewards,
-           the HF policy's fp32 low-rank update + SGD step, and the same update replayed in the engine.
+- lowrank: one whole ES iteration (rank 1) as ESModule runs it on vLLM (esrl.es.engines.SeparateES): every
+           member a LoRA adapter built from its seed on the driver, ONE generate of 60 rows with a per-row
+           `lora_request`, rewards, the HF policy's fp32 low-rank update + SGD step, and the updated weights
+           pushed into the engine.
 - lora:    one whole ES iteration over a PEFT LoRA adapter (rank `--lora-rank` 8, lora_alpha 2 x rank, the 7
            projections of every layer) as ESModule runs it on vLLM: each member a perturbed copy of the
            adapter (built on the driver, sent as in-memory adapters), ONE generate of 60 rows, rewards, the HF
            policy's update, and the updated adapter sent to the engine.
-- full:    the paper's mode through EngineES, member by member (perturb the engine's 135M weights in place,
-           generate 2 rows, restore), then the HF policy's update and the engine's replay of it.
+- full:    the paper's mode through SeparateES, member by member (perturb the HF policy's 135M weights in place
+           and push them into the engine, generate 2 rows, restore and push), then the HF policy's update and
+           the push of the updated weights.
            `--full-members K` members are timed and the per-member mean is extrapolated to N (said so in the
            output) unless K >= N; both updates are run for real.
 - floor_lora (not in the default modes): the floor on an engine started with LoRA enabled, no adapter in
@@ -53,13 +55,12 @@ MODES = ("floor", "lowrank", "lora", "full", "floor_lora")
 def worker(mode: str, args) -> dict:
     import torch
 
-    from esrl.es import es_step, population, shape_fitness
+    from esrl.es import es_step, get_mode, population, shape_fitness
     from esrl.es.config import ESConfig
-    from esrl.es.lowrank import PopulationPerturbation
+    from esrl.es.engines import SeparateES
     from esrl.es.setup import build_selection
     from esrl.models import load_causal_lm, load_tokenizer
     from esrl.rollout import RolloutConfig, build_engine
-    from esrl.rollout.vllm import EngineES, es_engine_options
     from esrl.tasks import build_task
 
     model = load_causal_lm("smollm2-135m-instruct")
@@ -71,11 +72,12 @@ def worker(mode: str, args) -> dict:
     es_mode = {"lowrank": "lowrank", "floor_lora": "lowrank", "lora": "lora"}.get(mode, "full")
     es = ESConfig(population_size=n, sigma=0.01, alpha=1e-3, mode=es_mode, rank=args.rank, seed=0,
                   lora_rank=args.lora_rank, lora_alpha=2 * args.lora_rank)
-    options = es_engine_options(es, model)  # as ESModule builds the engine (LoRA on the perturbed modules)
-    config = RolloutConfig(engine="vllm", max_batch_size=n * p, vllm_max_loras=n if options else None,
+    es_mode_obj = get_mode(es.mode)
+    adapters = es_mode_obj.adapter_spec(es, model)  # as ESModule builds the engine (LoRA on the perturbed modules)
+    config = RolloutConfig(engine="vllm", max_batch_size=n * p, vllm_max_loras=n if adapters else None,
                            vllm_kwargs={"max_model_len": 1024, "kv_cache_memory_bytes": args.kv_cache_mb << 20})
     start = time.perf_counter()
-    engine = build_engine(config, model, tok, **options)
+    engine = build_engine(config, model, tok, adapters=adapters)
     result = {"engine": "vllm", "mode": mode, "engine_start_s": round(time.perf_counter() - start, 2),
               "torch_threads": torch.get_num_threads()}
     gen = dict(max_new_tokens=t, min_new_tokens=t)
@@ -85,19 +87,20 @@ def worker(mode: str, args) -> dict:
     def rewards_of(completions_per_member):
         return [sum(task.rewards(rows, [c.text for c in cs])) / p for cs in completions_per_member]
 
-    def timed_iterations(sel, spec, engine_es, population_of):
-        """`args.repeats` whole iterations: one population generate, rewards, the HF policy's update (as ESModule
-        runs it), then the engine's (lowrank: replayed from seeds; lora: the updated adapter sent to it)."""
+    def timed_iterations(sel, spec, engine_es):
+        """`args.repeats` whole iterations: one population generate (members as adapters), rewards, the HF
+        policy's update (as ESModule runs it), then the engine's (lowrank: the updated weights pushed; lora: the
+        updated adapter sent to it)."""
         times, split, out = [], {}, None
         for _ in range(args.repeats):
             opt = torch.optim.SGD(sel.params, lr=es.alpha)
             start = time.perf_counter()
-            out = engine.generate_population(prompts, n, population_of, **gen)
+            out = engine.generate_population(prompts, n, engine_es.row_weights(members), **gen)
             t_gen = time.perf_counter()
             shaped = shape_fitness(torch.tensor(rewards_of(out)))
             es_step(opt, sel, members, shaped, spec)
             t_hf = time.perf_counter()
-            engine_es.after_step(members, shaped, es.alpha)
+            engine_es.after_update()
             times.append(time.perf_counter() - start)
             split = {"generate_s": round(t_gen - start, 2), "update_hf_s": round(t_hf - t_gen, 2),
                      "update_engine_s": round(time.perf_counter() - t_hf, 2)}
@@ -108,43 +111,32 @@ def worker(mode: str, args) -> dict:
             times, tokens = timed_floor(engine, prompts, n, args.repeats, gen)
     elif mode == "lowrank":
         sel, spec = build_selection(model, es)
-        engine_es = EngineES(engine, sel, es)
-
-        def population_of(rm):
-            return PopulationPerturbation(model, sel, spec, members, rm)
-
-        engine.generate_population(prompts, 2, lambda rm: PopulationPerturbation(model, sel, spec, members[:2],
-                                                                                 rm), max_new_tokens=2)  # warm-up
+        engine_es = SeparateES(engine, model, sel, spec, es_mode_obj)
+        engine.generate_population(prompts, 2, engine_es.row_weights(members[:2]), max_new_tokens=2)  # warm-up
         with PeakRSS() as mem:
-            times, split, out = timed_iterations(sel, spec, engine_es, population_of)
+            times, split, out = timed_iterations(sel, spec, engine_es)
         tokens = sum(len(c.token_ids) for cs in out for c in cs)
         result.update(split, rank=args.rank, perturbed_matrices=len(sel))
     elif mode == "lora":
-        from esrl.es.lora import LoraPopulation
         from esrl.es.setup import build_policy
 
         peft_model = build_policy(model, es, 0)  # as ESModule: the engine was built from the plain model
         sel, spec = build_selection(peft_model, es)
-        engine_es = EngineES(engine, sel, es, policy=peft_model)  # sends the policy's (identity) adapter
-
-        def population_of(rm):
-            return LoraPopulation(peft_model, sel, spec, members, rm)
-
-        engine.generate_population(prompts, 2, lambda rm: LoraPopulation(peft_model, sel, spec, members[:2], rm),
-                                   max_new_tokens=2)  # warm-up of the LoRA path
+        engine_es = SeparateES(engine, peft_model, sel, spec, es_mode_obj)  # sends the policy's (identity) adapter
+        engine.generate_population(prompts, 2, engine_es.row_weights(members[:2]), max_new_tokens=2)  # warm-up
         with PeakRSS() as mem:
-            times, split, out = timed_iterations(sel, spec, engine_es, population_of)
+            times, split, out = timed_iterations(sel, spec, engine_es)
         tokens = sum(len(c.token_ids) for cs in out for c in cs)
         result.update(split, lora_rank=args.lora_rank, adapter_tensors=len(sel), adapter_params=sel.numel())
     elif mode == "full":
         sel, spec = build_selection(model, es)
-        engine_es = EngineES(engine, sel, es)
+        engine_es = SeparateES(engine, model, sel, spec, es_mode_obj)
         k = min(args.full_members, n)
         fitness = []
         with PeakRSS() as mem:
             start = time.perf_counter()
             for m in members[:k]:
-                engine_es.perturb(m, es.sigma)
+                engine_es.perturb(m)
                 try:
                     cs = engine.generate(prompts, greedy=True, **gen)
                 finally:
@@ -157,7 +149,7 @@ def worker(mode: str, args) -> dict:
             t_up = time.perf_counter()
             es_step(torch.optim.SGD(sel.params, lr=es.alpha), sel, members, shaped)
             t_hf = time.perf_counter()
-            engine_es.after_step(members, shaped, es.alpha)
+            engine_es.after_update()
             update_hf, update_engine = t_hf - t_up, time.perf_counter() - t_hf
         times = [per_member * n + update_hf + update_engine]
         tokens = n * p * t
