@@ -93,3 +93,6 @@ def test_micro_batches_follow_lightnings_accumulation_windows(grpo_config, tmp_p
     cli.trainer.fit(module, cli.datamodule)
     assert cli.trainer.global_step == 4
     assert made == [(0, 0), (0, 1), (2, 0), (2, 1)]
+    # beta > 0: the frozen reference was used, and it is neither a child module nor in the checkpointed state
+    assert module.reference is not None and module.reference.model not in list(module.modules())
+    assert set(module.state_dict()) == {f"policy.{k}" for k in module.policy.state_dict()}

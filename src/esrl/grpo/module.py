@@ -91,8 +91,6 @@ class GRPOModule(PolicyModule):
         super().configure_model()
         if self.grpo.gradient_checkpointing and not self.policy.is_gradient_checkpointing:
             self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.grpo.beta > 0 and self.reference is None:
-            self.reference = FrozenReference(load_causal_lm(self.model_path, self.policy_config.dtype))
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -104,6 +102,10 @@ class GRPOModule(PolicyModule):
         # Models load in eval mode and Lightning keeps a module's mode: the loss runs in train mode, as TRL's.
         self.policy.train()
         dtype = next(self.policy.parameters()).dtype
+        if self.grpo.beta > 0 and self.reference is None:
+            # Here, not in configure_model: that runs in the strategy's sharded-init context (ZeRO-3's zero.Init),
+            # which would partition a model the strategy never wraps. Fit alone needs it.
+            self.reference = FrozenReference(load_causal_lm(self.model_path, self.policy_config.dtype))
         if self.reference is not None:
             self.reference.to(self.device, dtype)
         if dtype != torch.float32 and not isinstance(self.trainer.strategy, DeepSpeedStrategy):

@@ -11,8 +11,9 @@ class FrozenReference:
 
     A plain holder on purpose: an `nn.Module` assigned to a LightningModule attribute becomes its child, so the
     reference would be saved in every checkpoint, counted in the model summary, and wrapped, moved or sharded by
-    the strategy (DDP, FSDP, DeepSpeed ZeRO) as if it trained. Held here it is none of those: it is loaded from the
-    base weights whenever needed, and GRPOModule moves it to the policy's device and dtype itself.
+    the strategy (DDP, FSDP, DeepSpeed ZeRO) as if it trained. Held here it is none of those: GRPOModule loads it
+    from the base weights at fit start and moves it to the policy's device and dtype itself (a whole copy on each
+    rank, also under ZeRO-3).
     """
 
     def __init__(self, model: nn.Module):
