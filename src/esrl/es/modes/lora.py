@@ -166,6 +166,15 @@ class LoraPopulation(PopulationHooks):
 
     mode = "lora"
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.member_weights: dict[str, torch.Tensor] = {}
+        """While entered: parameter name -> (M, out, in) stacked member weights the hooks multiply with."""
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        self.member_weights = {}
+
     @torch.no_grad()
     def _install(self) -> None:
         owners = param_owners(self.model)
@@ -176,6 +185,7 @@ class LoraPopulation(PopulationHooks):
                 raise ValueError(f"lora population batching perturbs nn.Linear weights only, not {name}")
             generator = generator_on(p.device, generator)
             weights = _member_weights(self.members, j, p, self.spec, generator)  # (M, out, in)
+            self.member_weights[name] = weights
             for module, _ in holders:
                 self._handles.append(module.register_forward_hook(self._hook(weights)))
 
