@@ -153,3 +153,43 @@ def test_checksum_sees_a_one_ulp_change():
     with torch.no_grad():
         p.view(-1)[3] = torch.nextafter(p.view(-1)[3], torch.tensor(10.0))
     assert weights_checksum(list(m.parameters())) != before
+
+
+def test_es_update_is_one_lightning_optimizer_step_per_iteration(tiny_model, tmp_path):
+    """Lightning's precision plugin sees each ES update as ONE optimizer step (on_before_optimizer_step fires
+    once per iteration, with every perturbed tensor's gradient set); fp16 loss scaling is refused in one line."""
+    import lightning as L
+
+    from conftest import FIXTURES
+    from esrl.data import PromptDataModule
+    from esrl.errors import ConfigError
+    from esrl.es.config import ESConfig
+    from esrl.es.module import ESModule
+    from esrl.policy import PolicyConfig
+    from esrl.rollout import RolloutConfig
+
+    class Steps(L.Callback):
+        def __init__(self):
+            self.grads_set = []
+
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            self.grads_set.append(all(p.grad is not None for p in module.selection.params))
+
+    def fit(precision: str, steps: Steps):
+        module = ESModule(PolicyConfig(name_or_path=tiny_model), RolloutConfig(max_new_tokens=4),
+                          ESConfig(population_size=4, sigma=0.05, alpha=0.01, seed=1, mode="lowrank"))
+        data = PromptDataModule("conciseness", {"train_path": str(FIXTURES / "conciseness_train3.jsonl"),
+                                                "eval_path": str(FIXTURES / "conciseness_eval2.jsonl")},
+                                prompts_per_step=1)
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, enable_progress_bar=False,
+                            enable_model_summary=False, enable_checkpointing=False, logger=False,
+                            default_root_dir=tmp_path, limit_val_batches=0, precision=precision, callbacks=[steps])
+        trainer.fit(module, datamodule=data)
+        return module
+
+    steps = Steps()
+    module = fit("32-true", steps)
+    assert steps.grads_set == [True, True, True]
+    assert all(p.grad is None for p in module.selection.params)  # dropped after the step
+    with pytest.raises(ConfigError, match="trainer.precision"):
+        fit("16-mixed", Steps())
