@@ -172,7 +172,7 @@ class GRPOModule(PolicyModule):
                 prompts, max_new_tokens=cfg.max_new_tokens, greedy=False, temperature=cfg.temperature,
                 top_p=cfg.top_p, stop=self.stop_strings(), num_return_sequences=G,
                 seed=sampling_seed(self.run_seed, self.global_step, micro_batch, rank))
-            if hasattr(self.engine, "sleep"):  # rollout.vllm_sleep: its GPU memory goes to the backward and step
+            if self.engine.capabilities.sleeps:  # rollout.vllm_sleep: its GPU memory goes to the backward and step
                 self.engine.sleep()
         with self.timed("reward"):
             repeated = [row for row in rows for _ in range(G)]
@@ -254,8 +254,8 @@ class GRPOModule(PolicyModule):
         With rollout.vllm_sleep the engine slept since the rollout; the push wakes it.
         Not with DeepSpeed ZeRO-3 (partitioned parameters would need gathering first)."""
         super().optimizer_step(*args, **kwargs)
-        if hasattr(self.engine, "load_weights"):
-            self.engine.load_weights(dict(self.policy.named_parameters()))
+        if not self.engine.capabilities.shares_policy_weights:
+            self.engine.load_weights(list(self.policy.named_parameters()))
         if self.constraint is not None:
             self._adapt_lambda()
 
