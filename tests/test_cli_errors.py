@@ -36,3 +36,24 @@ def test_malformed_data_line_names_file_and_line(tiny_model, tmp_path):
     lines = error_lines(out)
     assert len(lines) == 1 and f"{data}:2" in lines[0], out.stderr[-2000:]
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(("module", "args", "command"), [
+    ("peft", ["--model.es.mode", "lora"], "pip install 'esrl[peft]'"),
+    ("vllm", ["--model.rollout.engine", "vllm"], "pip install 'esrl[vllm]'"),
+])
+def test_missing_optional_package_is_one_line_before_any_model_loads(module, args, command, tmp_path):
+    """The package is hidden from the CLI's process; the model path does not exist, so a needs error (not a
+    model error) shows the check ran before any model was looked for."""
+    import subprocess
+    import sys
+
+    hide = f"import sys; sys.modules[{module!r}] = None; from esrl.cli import main; main()"
+    out = subprocess.run([sys.executable, "-c", hide, "fit", "--config", str(DEMO), *args,
+                          "--model.policy.name_or_path", str(tmp_path / "no-model"),
+                          "--trainer.default_root_dir", str(tmp_path)],
+                         check=False, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode != 0
+    lines = error_lines(out)
+    assert len(lines) == 1 and command in lines[0] and "no-model" not in lines[0], out.stderr[-2000:]
+    assert "Traceback" not in out.stderr

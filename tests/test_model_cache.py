@@ -78,3 +78,16 @@ def test_leftover_temporary_folder_is_cleared(tmp_path):
     build(tmp_path / "m.tmp12345")  # a conversion killed before it could clean up
     ensure(tmp_path / "m", build)
     assert problem(tmp_path / "m") is None and not list(tmp_path.glob("m.tmp*"))
+
+
+def test_embedded_model_cache_is_checked_on_every_resolve(tmp_path, monkeypatch):
+    """resolve_model_path goes through the same check: a truncated cache of the embedded model is reconverted."""
+    from esrl.models import loading
+
+    converted = []
+    monkeypatch.setenv("ESRL_CACHE", str(tmp_path))
+    monkeypatch.setattr(loading, "_convert_gguf", lambda gguf, tmp: (converted.append(gguf), build(tmp)))
+    path = loading.resolve_model_path("smollm2-135m-instruct")
+    assert loading.resolve_model_path("smollm2-135m-instruct") == path and len(converted) == 1
+    truncate(tmp_path / "smollm2-135m-instruct")
+    assert loading.resolve_model_path("smollm2-135m-instruct") == path and len(converted) == 2

