@@ -11,8 +11,9 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 import esrl.es.strategy  # noqa: F401  registers the `es` strategy
 from esrl.data import PromptDataModule
-from esrl.errors import ConfigError, EsrlError
+from esrl.errors import EsrlError
 from esrl.module_factory import build_module
+from esrl.needs import check as check_needs
 
 
 class EsrlCLI(LightningCLI):
@@ -35,7 +36,7 @@ class EsrlCLI(LightningCLI):
             trainer.strategy = "es"
         elif config.algo == "grpo" and trainer.strategy == "es":
             trainer.strategy = "auto"
-        _check_deepspeed(trainer.strategy)
+        check_needs(config.as_dict())  # a missing package or GPU: one line now, before any model loads
         if self.subcommand == "fit" and trainer.limit_val_batches is None:
             trainer.limit_val_batches = 0  # fit evaluates through the Evaluation callback, on steps not epochs
         if trainer.logger in (None, True):
@@ -47,21 +48,6 @@ class EsrlCLI(LightningCLI):
             ]
 
 
-def _check_deepspeed(strategy) -> None:
-    """A DeepSpeed strategy fails deep inside Lightning without a GPU or the package: say so in one line."""
-    name = strategy if isinstance(strategy, str) else getattr(strategy, "class_path", None)
-    if not isinstance(name, str) or "deepspeed" not in name.lower():
-        return
-    import importlib.util
-
-    import torch
-
-    if not torch.cuda.is_available() or importlib.util.find_spec("deepspeed") is None:
-        shown = name if isinstance(strategy, str) else "deepspeed"
-        raise ConfigError(f"trainer.strategy: {shown} needs a CUDA GPU and the deepspeed package "
-                          "(pip install deepspeed); on CPU pass --trainer.strategy auto")
-
-
 # Commands beside LightningCLI's fit/validate/test: name -> "module:function(argv)".
 TOOLS = {
     "export": "esrl.export:main",
@@ -69,6 +55,7 @@ TOOLS = {
     "analyze": "esrl.analysis.cli:main",
     "sweep": "esrl.sweep:main",
     "elo": "esrl.elo:main",
+    "env": "esrl.env:main",
 }
 
 
