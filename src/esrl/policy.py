@@ -42,6 +42,9 @@ class PolicyModule(L.LightningModule):
         require(self.rollout_config.max_new_tokens >= 1, "model.rollout.max_new_tokens", "must be >= 1")
         require(self.rollout_config.max_batch_size >= 1, "model.rollout.max_batch_size", "must be >= 1")
         require(self.rollout_config.temperature > 0, "model.rollout.temperature", "must be > 0")
+        require(self.rollout_config.compile in ("auto", "on", "off"), "model.rollout.compile",
+                f"choose auto, on or off, got {self.rollout_config.compile!r}")
+        require(self.rollout_config.prompt_bucket >= 1, "model.rollout.prompt_bucket", "must be >= 1")
         require(0 < self.rollout_config.top_p <= 1, "model.rollout.top_p", "must be in (0, 1]")
         # Fail before any training starts, with the places esrl looked, if the model cannot be found.
         self.model_path = resolve_model_path(self.policy_config.name_or_path)
@@ -50,6 +53,7 @@ class PolicyModule(L.LightningModule):
         self.engine = None
         self._timings: dict[str, float] = {}  # this step's time split, logged as time/<key>
         self._lagrangian_state: dict[str, Any] | None = None  # restored from a checkpoint, applied at train start
+        self._compiles_reported = 0
 
     def seed_or_global(self, seed: int | None) -> int:
         """A configured seed, else the run's seed_everything value (Lightning exports it as PL_GLOBAL_SEED)."""
@@ -71,6 +75,22 @@ class PolicyModule(L.LightningModule):
         self.tokenizer = load_tokenizer(self.model_path)
         self.policy = load_causal_lm(self.model_path, self.policy_config.dtype)
         self.engine = build_engine(self.rollout_config, self.policy, self.tokenizer, adapters=self.engine_adapters())
+
+    def report_compiles(self) -> float:
+        """Print each newly compiled decode shape once, with its first call's time; the seconds added since the
+        last report (logged as time/compile)."""
+        times = self.engine.compile_times() if self.engine is not None else []
+        new = times[self._compiles_reported:]
+        self._compiles_reported = len(times)
+        for (rows, prompt, tokens), seconds in new:
+            self.print(f"[compile] decode for {rows} rows x {prompt} prompt + {tokens} new tokens: first call "
+                       f"{seconds:.1f} s (compile included; later calls of this shape reuse it)")
+        return sum(seconds for _, seconds in new)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        seconds = self.report_compiles()
+        if seconds:
+            self.log("time/compile", seconds, on_step=True, on_epoch=False, rank_zero_only=True)
 
     def engine_adapters(self) -> AdapterSpec | None:
         """Row adapters the algorithm will run on an engine with its own weights (ES lowrank / lora); none here."""

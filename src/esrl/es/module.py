@@ -90,14 +90,19 @@ class ESModule(PolicyModule):
         return scores
 
     def chunk_fitness(self, rows: list[dict[str, Any]], chunk, stop: list[str]) -> torch.Tensor:
-        """member_scores of every member of one chunk, all evaluated in one batched generation."""
+        """member_scores of every member of one chunk, all evaluated in one batched generation. On an engine with
+        static shapes (compiled decoding) a short last chunk is padded with copies of its first member, whose
+        completions are dropped, so every chunk reuses one compiled graph."""
         prompts = self.task.prompts(rows)
-
+        real = len(chunk)
+        if self.engine.capabilities.static_shapes:  # the size of a full chunk
+            full = min(self.members_per_chunk(len(rows)), self.es.population_size)
+            chunk = list(chunk) + [chunk[0]] * (full - real)
         with self.timed("rollout"):
             completions = self.engine.generate_population(prompts, len(chunk), self.backend.row_weights(chunk),
                                                           max_new_tokens=self.rollout_config.max_new_tokens,
-                                                          stop=stop)
-        return self.member_scores(rows, [c.text for cs in completions for c in cs], len(chunk))
+                                                          stop=stop)[:real]
+        return self.member_scores(rows, [c.text for cs in completions for c in cs], real)
 
     @property
     def noise_seed(self) -> int:

@@ -275,6 +275,7 @@ class GRPOModule(PolicyModule):
         times["time/update"] = total - sum(self._timings.values())
         times["time/step"] = total
         self.log_dict(times, on_step=True, on_epoch=False, sync_dist=True)
+        super().on_train_batch_end(outputs, batch, batch_idx)  # compile times of the engine, once
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)

@@ -8,8 +8,9 @@ from esrl.rollout.text import cut_at_stop, render_prompts
 
 def engine_capabilities(config: RolloutConfig, adapters: AdapterSpec | None = None) -> EngineCapabilities:
     """What `build_engine(config, ..., adapters=adapters)` will be able to do, known before it is built."""
-    if config.engine == "hf":
-        return HFEngine.capabilities
+    if config.engine == "hf":  # static_shapes (compile: auto) is known once the policy sits on its device
+        return EngineCapabilities(shares_policy_weights=True, row_adapters=False, sleeps=False,
+                                  static_shapes=config.compile == "on")
     if config.engine == "vllm":
         from esrl.rollout.vllm import VLLMEngine
 
@@ -21,7 +22,8 @@ def build_engine(config: RolloutConfig, model, tokenizer, adapters: AdapterSpec 
     """The configured engine. `adapters`: the row adapters it must be able to run (engines whose capabilities
     say row_adapters); engines that share the policy's weights need none and ignore it."""
     if config.engine == "hf":
-        return HFEngine(model, tokenizer, max_batch_size=config.max_batch_size)
+        return HFEngine(model, tokenizer, max_batch_size=config.max_batch_size, compile=config.compile,
+                        prompt_bucket=config.prompt_bucket)
     if config.engine == "vllm":  # imported lazily: vllm is an optional dependency
         from esrl.rollout.vllm import VLLMEngine
 

@@ -29,6 +29,14 @@ class RolloutConfig:
     """Most sequences in one generate call; larger requests are split into chunks."""
     stop: list[str] = field(default_factory=list)
     """Extra stop strings, added to the task's own."""
+    compile: Literal["auto", "on", "off"] = "auto"
+    """engine hf: decode with a static KV cache and a compiled forward (transformers' static cache +
+    torch.compile, CUDA graphs on GPUs), compiled once per (rows, prompt-length bucket) and reused by every
+    later call; the first call of each shape logs its compile time. auto: on when the policy is on a CUDA
+    device (on a CPU a compile costs ~40 s per shape for little gain)."""
+    prompt_bucket: int = 64
+    """compile: prompts are left-padded to a multiple of this many tokens, so iterations whose prompts differ
+    in length still share one compiled graph."""
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
     """engine vllm: extra `vllm.LLM` arguments, e.g. gpu_memory_utilization (default 0.3), max_model_len
     (default 2048), tensor_parallel_size."""
@@ -64,6 +72,10 @@ class EngineCapabilities:
     as member adapters on the engine's unperturbed weights."""
     sleeps: bool
     """True: `sleep` frees the engine's accelerator memory between uses (and any later use wakes it)."""
+    static_shapes: bool = False
+    """True: every new batch size (or prompt-length bucket) costs a compile, so callers keep their batch shapes
+    fixed (ES pads its last chunk of members to a full one); per-row weights must live in buffers that keep
+    their address across calls (see esrl.es.modes: static populations)."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +133,10 @@ class RolloutEngine(ABC):
     def set_default_adapter(self, adapter: dict[str, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
         """An adapter every plain `generate` uses from now on (None: the bare weights)."""
         raise NotImplementedError(f"{type(self).__name__} runs no row adapters")
+
+    def compile_times(self) -> list[tuple[tuple[int, int, int], float]]:
+        """((rows, prompt tokens, new tokens), seconds of its first call) of every shape compiled so far."""
+        return []
 
     def sleep(self) -> None:
         """Free accelerator memory until the next use (a no-op for engines that cannot)."""

@@ -1,25 +1,58 @@
-"""Batched generation with transformers: left padding, greedy or sampled, stop strings."""
+"""Batched generation with transformers: left padding, greedy or sampled, stop strings, an optional compiled
+decode path (static KV cache + torch.compile: CUDA graphs on GPUs, where eager decoding is launch-bound)."""
 
 from __future__ import annotations
 
+import time
+from contextlib import nullcontext
 from typing import Sequence
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from esrl.rollout.base import Completion, EngineCapabilities, RolloutEngine, RowWeights
 from esrl.rollout.text import cut_at_stop, render_prompts
 from esrl.tasks.base import Prompt
 
 
+# cuDNN's fused attention, PyTorch's first choice for padded batches on Hopper, is not bitwise repeatable at some
+# KV lengths (measured on an H100: two identical generates differ from ~130 tokens on); mem-efficient attention is,
+# and is faster for rollout shapes (0.88x the floor). Compiled decoding fixes its kernel when traced, so this is in
+# force then too. benchmarks/gpu/NOTES_issue15.md has the measurements.
+ROLLOUT_ATTENTION = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def rollout_attention(device: torch.device):
+    """The attention kernels rollouts may use on `device`: repeatable ones (no cuDNN) on CUDA."""
+    return sdpa_kernel(ROLLOUT_ATTENTION) if device.type == "cuda" else nullcontext()
+
+
 class HFEngine(RolloutEngine):
     """Generates with the policy module itself, so in-place weight changes (ES) take effect at once."""
 
-    capabilities = EngineCapabilities(shares_policy_weights=True, row_adapters=False, sleeps=False)
-
-    def __init__(self, model, tokenizer, max_batch_size: int = 64):
+    def __init__(self, model, tokenizer, max_batch_size: int = 64, compile: str = "off", prompt_bucket: int = 64):
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
+        self.compile = compile
+        self.prompt_bucket = prompt_bucket
+        self.compile_log: list[tuple[tuple[int, int, int], float]] = []
+        """((rows, padded prompt tokens, new tokens), seconds of the first call) of every compiled shape."""
+        self._compile_config = None
+
+    def compile_times(self) -> list[tuple[tuple[int, int, int], float]]:
+        return list(self.compile_log)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether generate takes the compiled static-cache path (decided where the policy is now: Lightning
+        moves it to its device after the engine is built)."""
+        return self.compile == "on" or (self.compile == "auto" and self.model.device.type == "cuda")
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return EngineCapabilities(shares_policy_weights=True, row_adapters=False, sleeps=False,
+                                  static_shapes=self.compiled)
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Prompt], *, max_new_tokens: int, greedy: bool = True,
@@ -50,12 +83,35 @@ class HFEngine(RolloutEngine):
                                         min_new_tokens)
         return [flat[i * n_prompts:(i + 1) * n_prompts] for i in range(num_members)]
 
+    def _static_kwargs(self) -> dict:
+        """transformers' static KV cache with its compiled decode step (CUDA graphs on GPUs)."""
+        if self._compile_config is None:
+            from transformers import CompileConfig
+
+            cuda = self.model.device.type == "cuda"
+            self._compile_config = CompileConfig(fullgraph=False, dynamic=False,
+                                                 mode="reduce-overhead" if cuda else "default")
+            self._compile_config._compile_all_devices = True  # compile: on asks for it on a CPU too
+            # One graph per (rows, prompt bucket) shape: evaluation, GRPO and ES populations need a few, more than
+            # torch's default of 8 recompiles before it falls back to eager for good.
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            # A graph traced before forward hooks were added must not run without them (torch's default skips
+            # hook guards): per-row hooks (ES populations) then trigger one recompile, never a silent no-op.
+            torch._dynamo.config.skip_nnmodule_hook_guards = False
+        return dict(cache_implementation="static", compile_config=self._compile_config)
+
     def _generate_chunk(self, texts, max_new_tokens, greedy, temperature, top_p, stop, n,
                         min_new_tokens=None) -> list[Completion]:
         tok = self.tokenizer
-        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.model.device)
+        compiled = self.compiled
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False,
+                  pad_to_multiple_of=self.prompt_bucket if compiled else None).to(self.model.device)
         kwargs = dict(max_new_tokens=max_new_tokens, num_return_sequences=n, pad_token_id=tok.pad_token_id,
                       eos_token_id=tok.eos_token_id)
+        if compiled:
+            kwargs.update(self._static_kwargs())
+            shape = (len(texts) * n, enc["input_ids"].shape[1], max_new_tokens)
+            first = shape not in {s for s, _ in self.compile_log}
         if min_new_tokens:
             kwargs["min_new_tokens"] = min_new_tokens
         if greedy:
@@ -66,10 +122,14 @@ class HFEngine(RolloutEngine):
             kwargs.update(stop_strings=stop, tokenizer=tok)
         was_training = self.model.training
         self.model.eval()
+        start = time.perf_counter()
         try:
-            seqs = self.model.generate(**enc, **kwargs)
+            with rollout_attention(self.model.device):
+                seqs = self.model.generate(**enc, **kwargs)
         finally:
             self.model.train(was_training)
+        if compiled and first:
+            self.compile_log.append((shape, time.perf_counter() - start))
         new = seqs[:, enc["input_ids"].shape[1]:].tolist()
         return [self._completion(ids, stop, max_new_tokens) for ids in new]
 

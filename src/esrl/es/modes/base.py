@@ -57,6 +57,11 @@ class NoiseMode:
         """Forward hooks giving every batch row its member's perturbation while the returned context is entered."""
         raise NotImplementedError(f"mode {self.name} runs member by member")
 
+    def static_population(self, model: torch.nn.Module, selection: ParamSelection, spec: NoiseSpec):
+        """An esrl.es.static_population.StaticPopulation for compiled decoding (hooks installed once, buffers
+        refilled per chunk)."""
+        raise NotImplementedError(f"mode {self.name} has no population for compiled decoding")
+
     def adapter_spec(self, cfg, model: torch.nn.Module) -> AdapterSpec | None:
         """The member adapters an engine with its own weights must be able to run; None: no adapters."""
         return None

@@ -40,6 +40,7 @@ from esrl.es.modes.base import Adapter, NoiseMode
 from esrl.es.noise import gaussian, generator_on, member_weight, tensor_scale
 from esrl.es.params import ParamSelection, linear_weight_only, param_owners, parse_layer_ranges
 from esrl.es.population_hooks import PopulationHooks
+from esrl.es.static_population import StaticPopulation
 from esrl.rollout.base import AdapterSpec
 from esrl.seeding import derive_seed
 
@@ -72,6 +73,9 @@ class LoraMode(NoiseMode):
 
     def population(self, model, selection, spec, members, row_member) -> PopulationHooks:
         return LoraPopulation(model, selection, spec, members, row_member)
+
+    def static_population(self, model, selection, spec) -> StaticPopulation:
+        return StaticLora(model, selection, spec)
 
     def adapter_spec(self, cfg, model) -> AdapterSpec:
         return AdapterSpec(int(cfg.lora_rank), tuple(m.rsplit(".", 1)[-1] for m in cfg.lora_target_modules),
@@ -253,6 +257,32 @@ def lora_adapters(model: torch.nn.Module, selection: ParamSelection | None = Non
             adapter[name][k] = weight
     return [{n: (a, b * modules[n][2] if modules[n][2] != 1.0 else b) for n, (a, b) in adapter.items()}
             for adapter in adapters]
+
+
+class StaticLora(StaticPopulation):
+    """lora for compiled decoding: per adapter Linear (PEFT's lora_A / lora_B) the members' weights (M, out, in)
+    in a persistent buffer; the hook replaces the module's output by each member's x W_i^T (one bmm)."""
+
+    def _targets(self):
+        owners = param_owners(self.model)
+        targets = []
+        for _, name, p in self.selection:
+            if not linear_weight_only(owners[id(p)]) or any(m.bias is not None for m, _ in owners[id(p)]):
+                raise ValueError(f"lora population batching perturbs bias-free nn.Linear weights only, not {name}")
+            targets += [(name, module) for module, _ in owners[id(p)]]
+        return targets
+
+    def _fill(self, members):
+        filled, generator = {}, None
+        for j, name, p in self.selection:
+            generator = generator_on(p.device, generator)
+            filled[name] = (_member_weights(members, j, p, self.spec, generator),)
+        return filled
+
+    def _apply(self, buffers, x, out):
+        weights = buffers[0]
+        y = torch.bmm(x.reshape(weights.shape[0], -1, x.shape[-1]), weights.transpose(1, 2)).view(out.shape)
+        return y
 
 
 def save_final(policy: torch.nn.Module, tokenizer, out: str | Path) -> Path:

@@ -31,6 +31,7 @@ from esrl.es.noise import (Member, NoiseSpec, gaussian, generator_on, lowrank_di
                            lowrank_gradient, member_weight, scaled_factor, tensor_scale)
 from esrl.es.params import ParamSelection, linear_weight_only, param_owners, select_params
 from esrl.es.population_hooks import PopulationHooks
+from esrl.es.static_population import StaticPopulation
 from esrl.rollout.base import AdapterSpec
 
 VECTORS_AS_ADAPTERS = ("model.es.lowrank_vectors: full perturbs 1-D tensors, which LoRA adapters (rollout.engine: "
@@ -64,6 +65,12 @@ class LowRankMode(NoiseMode):
 
     def population(self, model, selection, spec, members, row_member) -> PopulationHooks:
         return PopulationPerturbation(model, selection, spec, members, row_member)
+
+    def static_population(self, model, selection, spec) -> StaticPopulation:
+        if any(p.dim() != 2 for p in selection.params):
+            raise ConfigError("model.es.lowrank_vectors: full is not supported with compiled decoding; use "
+                              "lowrank_vectors: frozen, or model.rollout.compile: off")
+        return StaticLowRank(model, selection, spec)
 
     def adapter_spec(self, cfg, model) -> AdapterSpec:
         if cfg.lowrank_vectors == "full":
@@ -119,6 +126,40 @@ def lowrank_selection(model: torch.nn.Module, selection: ParamSelection, spec: N
     if not out.params:
         raise ValueError("lowrank mode: the parameter filter selects no nn.Linear weight")
     return out
+
+
+def grouped_lowrank_(ys: torch.Tensor, xs: torch.Tensor, a_t: torch.Tensor, b: torch.Tensor,
+                     b_row: torch.Tensor | None) -> None:
+    """ys (M, n, out) += (xs (M, n, in) B) A^T in place, member by member: one grouped op per layer. Rank 1
+    (b_row (M, 1, in)): two elementwise kernels beat tiny batched GEMMs 2-4x on CPU."""
+    if b_row is not None:
+        ys.addcmul_((xs * b_row).sum(-1, keepdim=True), a_t)
+    else:
+        ys.baddbmm_(torch.bmm(xs, b), a_t)
+
+
+class StaticLowRank(StaticPopulation):
+    """lowrank for compiled decoding: per hooked Linear, A^T (M, r, out), B (M, in, r) and, for rank 1, B^T
+    (M, 1, in) in persistent buffers."""
+
+    def _targets(self):
+        owners = param_owners(self.model)
+        return [(name, module) for _, name, p in self.selection for module, _ in owners[id(p)]]
+
+    def _fill(self, members):
+        filled, generator = {}, None
+        for j, name, p in self.selection:
+            generator = generator_on(p.device, generator)
+            a, b = _member_factors(members, j, p, self.spec, generator)
+            filled[name] = (a.transpose(1, 2), b) + ((b.transpose(1, 2),) if self.spec.rank == 1 else ())
+        return filled
+
+    def _apply(self, buffers, x, out):
+        a_t, b = buffers[0], buffers[1]
+        m = a_t.shape[0]
+        grouped_lowrank_(out.view(m, -1, out.shape[-1]), x.reshape(m, -1, x.shape[-1]), a_t, b,
+                         buffers[2] if len(buffers) > 2 else None)
+        return out
 
 
 def _member_factors(members: Sequence[Member], j: int, p: torch.Tensor, spec: NoiseSpec,
@@ -188,11 +229,7 @@ class PopulationPerturbation(PopulationHooks):
                     # (M, P * seq, in) @ (M, in, r), then one fused out += (x B) A^T in place: no per-row
                     # copies and no (rows, seq, out) temporary (the decode loop runs this 100s of times).
                     m = a_t.shape[0]
-                    xs, ys = x.reshape(m, -1, x.shape[-1]), out.view(m, -1, out.shape[-1])
-                    if b_row is not None:  # rank 1: two elementwise kernels beat tiny batched GEMMs 2-4x on CPU
-                        ys.addcmul_((xs * b_row).sum(-1, keepdim=True), a_t)
-                    else:
-                        ys.baddbmm_(torch.bmm(xs, b), a_t)
+                    grouped_lowrank_(out.view(m, -1, out.shape[-1]), x.reshape(m, -1, x.shape[-1]), a_t, b, b_row)
                 else:
                     xs = x.reshape(rows, -1, x.shape[-1])
                     delta = torch.bmm(torch.bmm(xs, b[idx]), a_t[idx])  # (rows, seq, out)

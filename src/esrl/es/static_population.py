@@ -1,0 +1,87 @@
+"""Per-row member weights for a compiled decode: hooks installed once, reading buffers refilled in place.
+
+A compiled (static-cache, CUDA-graph) decode step can only carry a perturbation that is part of its graph from
+the first trace and that reads tensors whose address never changes. So instead of installing new hooks for
+every chunk (esrl.es.population_hooks), a StaticPopulation installs its forward hooks ONCE and keeps one set of
+device buffers, sized for a full chunk of M members; `load(members)` refills them in place with the chunk's
+factors or weights, and entering `population(row_member)` switches the hooks on for one population-batched
+generate. Rows must be member-major and every chunk must hold exactly M members (ES pads its last chunk on
+engines with static shapes), so each hook is one grouped op per perturbed layer and step, with no per-row
+gather and no host sync. Subclasses (one per noise mode) name the hooked modules, fill the buffers and apply
+them. Plain torch.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import torch
+
+from esrl.es.noise import Member, NoiseSpec
+from esrl.es.params import ParamSelection
+
+
+class StaticPopulation:
+    def __init__(self, model: torch.nn.Module, selection: ParamSelection, spec: NoiseSpec):
+        self.model, self.selection, self.spec = model, selection, spec
+        self.active = False
+        self.members = 0  # M, fixed by the first load
+        self._buffers: dict[str, tuple[torch.Tensor, ...]] = {}
+        self._handles = [module.register_forward_hook(self._hook(key)) for key, module in self._targets()]
+
+    # -- what a mode provides ----------------------------------------------------------------------------------
+    def _targets(self) -> list[tuple[str, torch.nn.Module]]:
+        """(buffer key, module to hook) pairs."""
+        raise NotImplementedError
+
+    def _fill(self, members: Sequence[Member]) -> dict[str, tuple[torch.Tensor, ...]]:
+        """The chunk's tensors per buffer key, each with the members on dim 0."""
+        raise NotImplementedError
+
+    def _apply(self, buffers: tuple[torch.Tensor, ...], x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The hooked module's output for member-major rows (x viewed as (M, rows/M * seq, in))."""
+        raise NotImplementedError
+
+    # -- the frame ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def load(self, members: Sequence[Member]) -> None:
+        """Refill every buffer in place with this chunk's members (the first call allocates them)."""
+        filled = self._fill(members)
+        if not self._buffers:
+            self.members = len(members)
+            for key, tensors in filled.items():
+                self._buffers[key] = tuple(t.contiguous().clone() for t in tensors)
+                for t in self._buffers[key]:
+                    torch._dynamo.mark_static_address(t)  # CUDA graphs read it in place, no copy per replay
+            return
+        if len(members) != self.members:
+            raise ValueError(f"a static population holds {self.members} members per chunk, got {len(members)}")
+        for key, tensors in filled.items():
+            for buffer, t in zip(self._buffers[key], tensors):
+                buffer.copy_(t)
+
+    @contextmanager
+    def population(self, row_member: torch.Tensor) -> Iterator[None]:
+        """The hooks act while entered; rows must be member-major over the loaded members."""
+        m, rows = self.members, row_member.numel()
+        if m == 0 or rows % m or not torch.equal(row_member.cpu(), torch.arange(m).repeat_interleave(rows // m)):
+            raise ValueError(f"a static population needs member-major rows over its {m} loaded members")
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+
+    def _hook(self, key: str):
+        def hook(module, args, out):
+            if not self.active:
+                return None
+            return self._apply(self._buffers[key], args[0], out)
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
