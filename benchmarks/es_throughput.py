@@ -122,34 +122,38 @@ def timed_floor(engine, prompts, n: int, repeats: int, gen: dict) -> tuple[list[
 
 
 def worker(mode: str, args) -> dict:
-    from esrl.es import (NoiseSpec, Perturber, PopulationPerturbation, es_step, lowrank_selection, population,
-                         select_params, shape_fitness)
+    from esrl.es import NoiseSpec, Perturber, es_step, get_mode, lowrank_selection, population, select_params, \
+        shape_fitness
+    from esrl.es.engines import InPlaceES
     from esrl.models import load_tokenizer
     from esrl.rollout import HFEngine
     from esrl.tasks import build_task
 
     model = build_model(args.model, args.device, args.dtype)
-    tok = load_tokenizer("smollm2-135m-instruct")
+    tok = load_tokenizer(args.tokenizer)
     task = build_task("conciseness")
     rows = bench_rows(task, args.prompts)
     prompts = task.prompts(rows)
     n, p, t = args.members, len(prompts), args.new_tokens
-    engine = HFEngine(model, tok, max_batch_size=n * p)
+    engine = HFEngine(model, tok, max_batch_size=n * p, compile=args.compile)
     gen = dict(max_new_tokens=t, min_new_tokens=t)
     members = population(0, 0, n)
-    engine.generate(prompts, max_new_tokens=2, greedy=True)  # warm-up (first-call allocations)
-    result = {"mode": mode}
+    if args.compile == "off":
+        engine.generate(prompts, max_new_tokens=2, greedy=True)  # warm-up (first-call allocations)
+    result = {"mode": mode, "compile": args.compile}
 
     def rewards_of(completions_per_member):
         return [sum(task.rewards(rows, [c.text for c in cs])) / p for cs in completions_per_member]
 
-    def timed_iterations(sel, spec, factory):
-        """`args.repeats` whole population-batched iterations: one generate, rewards, the update (as ESModule)."""
+    def timed_iterations(sel, spec, noise_mode):
+        """`args.repeats` whole population-batched iterations as ESModule runs them on the HF engine (its InPlaceES
+        backend: per-chunk hooks eager, the mode's StaticPopulation compiled): one generate, rewards, the update."""
         opt = torch.optim.SGD(sel.params, lr=1e-3)
+        backend = InPlaceES(engine, model, sel, spec, noise_mode)
         times, split, out = [], {}, None
         for _ in range(args.repeats):
             start = time.perf_counter()
-            out = engine.generate_population(prompts, n, factory, **gen)
+            out = engine.generate_population(prompts, n, backend.row_weights(members), **gen)
             t_gen = time.perf_counter()
             es_step(opt, sel, members, shape_fitness(torch.tensor(rewards_of(out))), spec)
             times.append(time.perf_counter() - start)
@@ -159,6 +163,9 @@ def worker(mode: str, args) -> dict:
     if mode == "floor":
         with PeakRSS() as mem:
             times, tokens = timed_floor(engine, prompts, n, args.repeats, gen)
+    elif mode == "single":  # one member's rows alone: what a member of full mode costs at best
+        with PeakRSS() as mem:
+            times, tokens = timed_floor(engine, prompts, 1, args.repeats, gen)
     elif mode == "lowrank":
         spec = NoiseSpec(mode="lowrank", sigma=0.01, rank=args.rank)
         sel = lowrank_selection(model, select_params(model), spec)
@@ -167,21 +174,18 @@ def worker(mode: str, args) -> dict:
         for q in sel.params:
             q.requires_grad_(True)
         with PeakRSS() as mem:
-            times, split, out = timed_iterations(
-                sel, spec, lambda rm: PopulationPerturbation(model, sel, spec, members, rm))
+            times, split, out = timed_iterations(sel, spec, get_mode("lowrank"))
         tokens = sum(len(c.token_ids) for cs in out for c in cs)
         result.update(split, rank=args.rank, perturbed_matrices=len(sel))
     elif mode == "lora":
         from esrl.es.config import ESConfig
-        from esrl.es.modes.lora import LoraPopulation
         from esrl.es.setup import build_policy, build_selection
 
         cfg = ESConfig(mode="lora", sigma=0.01, lora_rank=args.lora_rank, lora_alpha=2 * args.lora_rank)
         peft_model = build_policy(model, cfg, 0)  # injected into `model` in place: the engine generates with it
         sel, spec = build_selection(peft_model, cfg)
         with PeakRSS() as mem:
-            times, split, out = timed_iterations(
-                sel, spec, lambda rm: LoraPopulation(peft_model, sel, spec, members, rm))
+            times, split, out = timed_iterations(sel, spec, get_mode("lora"))
         tokens = sum(len(c.token_ids) for cs in out for c in cs)
         result.update(split, lora_rank=args.lora_rank, adapter_tensors=len(sel), adapter_params=sel.numel())
     elif mode == "full":
@@ -189,6 +193,8 @@ def worker(mode: str, args) -> dict:
         perturber = Perturber(sel)
         k = min(args.full_members, n)
         fitness = []
+        if args.compile != "off":  # the compile is not a member's cost
+            engine.generate(prompts, greedy=True, **gen)
         with PeakRSS() as mem:
             start = time.perf_counter()
             for m in members[:k]:
@@ -211,6 +217,9 @@ def worker(mode: str, args) -> dict:
     else:
         raise ValueError(mode)
     best = min(times)
+    compiles = engine.compile_times()
+    if compiles:
+        result["compile_first_call_s"] = [round(sec, 1) for _, sec in compiles]
     result.update(seconds=round(best, 2), all_seconds=[round(x, 2) for x in times], tokens=tokens,
                   tokens_per_s=round(tokens / best, 1),
                   peak_rss_mb=round(peak_memory_mb(args.device), 1),
@@ -228,6 +237,10 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct",
                     help="an esrl model id or path, or random:qwen2.5-1.5b (that architecture, random weights)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--compile", default="off", choices=["off", "on"],
+                    help="the HF engine's compiled decode path (rollout.compile); the first call compiles, the "
+                         "best of --repeats is reported")
+    ap.add_argument("--tokenizer", default="smollm2-135m-instruct", help="tokenizer id or folder")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--lora-rank", type=int, default=8, help="lora: adapter rank (lora_alpha = 2 x rank)")
     ap.add_argument("--repeats", type=int, default=2, help="timed repeats of floor, lowrank and lora (best is kept)")
@@ -252,7 +265,7 @@ def main() -> None:
     passthrough = [f"--members={args.members}", f"--new-tokens={args.new_tokens}", f"--rank={args.rank}", f"--lora-rank={args.lora_rank}",
                    f"--repeats={args.repeats}", f"--full-members={args.full_members}",
                    f"--prompts={args.prompts}", f"--model={args.model}", f"--device={args.device}",
-                   f"--dtype={args.dtype}"]
+                   f"--dtype={args.dtype}", f"--compile={args.compile}", f"--tokenizer={args.tokenizer}"]
     for mode in args.modes.split(",") if "hf" in args.engines.split(",") else []:
         out = subprocess.run([sys.executable, __file__, "--worker", mode, *passthrough], capture_output=True,
                              text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
@@ -262,7 +275,7 @@ def main() -> None:
         results[mode] = json.loads(line[len("RESULT "):])
         print(json.dumps(results[mode]), flush=True)
     summary = {"benchmark": "es_throughput", "members": args.members, "prompts": args.prompts,
-               "new_tokens": args.new_tokens,
+               "new_tokens": args.new_tokens, "compile": args.compile,
                **machine}
     if "floor" in results and "lowrank" in results:
         summary["lowrank_over_floor_time"] = round(results["lowrank"]["seconds"] / results["floor"]["seconds"], 3)
@@ -273,6 +286,9 @@ def main() -> None:
         summary["lora_over_floor_peak_rss"] = round(results["lora"]["peak_rss_mb"] / results["floor"]["peak_rss_mb"], 3)
     if "lowrank" in results and "lora" in results:
         summary["lora_over_lowrank_time"] = round(results["lora"]["seconds"] / results["lowrank"]["seconds"], 3)
+    if "full" in results and "single" in results:
+        summary["full_member_over_single_generate"] = round(
+            results["full"]["per_member_s"] / results["single"]["seconds"], 3)
     if "full" in results and "lowrank" in results:
         summary["full_over_lowrank_speedup"] = round(results["full"]["seconds"] / results["lowrank"]["seconds"], 2)
         summary["full_extrapolated"] = True

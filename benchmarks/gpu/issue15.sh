@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Issue 15's GPU measurements in one device call: `pytest -m gpu`, then the throughput rows (eager floor; compiled
+# floor, lowrank, lora, a single member's generate and full mode), then configs/es_conciseness.yaml end to end.
+# Steps run in order of priority, each under its own time limit; everything lands in $OUT.
+#
+#   device run (carry .whl .gpu):  bash benchmarks/gpu/issue15.sh [steps]      steps: tests,bench1,bench2,e2e
+# .whl holds the wheels the GPU image lacks (jsonargparse, docstring-parser, typeshed-client); .gpu/tok the
+# embedded model's config and tokenizer files (no weights).
+set -uo pipefail
+STEPS=${1:-tests,bench1,bench2,e2e}
+OUT=${OUT:-/tmp/esrl_out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+export ESRL_TOKENIZER=$PWD/.gpu/tok
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+python3 -c "import torch, transformers, lightning; print('torch', torch.__version__, 'transformers', transformers.__version__, 'lightning', lightning.__version__)" | tee -a "$OUT/device.txt"
+has() { [[ ",$STEPS," == *",$1,"* ]]; }
+BENCH="--model random:qwen2.5-1.5b --device cuda --prompts 8 --new-tokens 256 --members 30 --tokenizer $PWD/.gpu/tok"
+
+if has tests; then
+  timeout 240 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -x 2>&1 | grep -v -i warn | tee "$OUT/gpu_tests.log" | tail -15
+fi
+if has bench1; then
+  (cd benchmarks && timeout 60 python3 es_throughput.py $BENCH --modes floor --compile off --repeats 2 2>&1 | grep '^{' | tee "$OUT/bench_eager.jsonl")
+  (cd benchmarks && timeout 200 python3 es_throughput.py $BENCH --modes floor,lowrank --compile on --repeats 2 2>&1 | grep '^{' | tee "$OUT/bench_compiled1.jsonl")
+fi
+if has bench2; then
+  (cd benchmarks && timeout 240 python3 es_throughput.py $BENCH --modes lora,single,full --compile on --repeats 2 --full-members 3 2>&1 | grep '^{' | tee "$OUT/bench_compiled2.jsonl")
+fi
+if has e2e; then
+  python3 - <<'PY'
+import os, torch, sys
+sys.path.insert(0, "benchmarks")
+from es_throughput import QWEN25_15B
+from transformers import Qwen2Config, Qwen2ForCausalLM
+from esrl.models import load_tokenizer
+out = "/tmp/qwen15b"
+if not os.path.exists(out + "/config.json"):
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        m = Qwen2ForCausalLM(Qwen2Config(**QWEN25_15B, torch_dtype="bfloat16")).to(torch.bfloat16)
+    m.save_pretrained(out); load_tokenizer(os.environ["ESRL_TOKENIZER"]).save_pretrained(out)
+PY
+  for mode in lowrank full; do
+    steps=3; [ $mode = full ] && steps=1
+    timeout 200 python3 -m esrl.cli fit --config configs/es_conciseness.yaml --model.policy.name_or_path /tmp/qwen15b \
+      --model.es.mode $mode --trainer.max_steps $steps --trainer.default_root_dir /tmp/e2e_$mode \
+      --trainer.enable_checkpointing false --trainer.enable_progress_bar false 2>&1 | grep -v -i warn | tail -6
+    f=$(ls /tmp/e2e_$mode/lightning_logs/version_*/metrics.csv 2>/dev/null | head -1)
+    [ -n "$f" ] && cp "$f" "$OUT/e2e_${mode}_metrics.csv"
+  done
+fi
+ls -la "$OUT"

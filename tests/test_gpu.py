@@ -1,0 +1,128 @@
+"""ES invariants on a CUDA GPU (`pytest -m gpu`; skipped without CUDA, so CI, which has none, skips them).
+
+The model: a small random Qwen2 in bf16 with head_dim 128 (the 1.5B-7B models' head size), generating 140 tokens so
+the KV length passes ~130, where cuDNN's attention stopped repeating on an H100 (benchmarks/gpu/NOTES_issue15.md).
+Its tokenizer is the embedded SmolLM2 one, or the folder in ESRL_TOKENIZER (a GPU machine without the embedded
+model's package: config and tokenizer files only).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import FIXTURES
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+PROMPTS = ["Hi", "Write a much longer sentence about the sea and the sky"]
+
+
+def _random_qwen(out, dtype: str = "bfloat16") -> str:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from esrl.models import load_tokenizer
+
+    if (out / "config.json").is_file():
+        return str(out)
+    tok = load_tokenizer(os.environ.get("ESRL_TOKENIZER", "smollm2-135m-instruct"))
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, torch_dtype=dtype)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory) -> str:
+    return _random_qwen(tmp_path_factory.mktemp("qwen") / "bf16")
+
+
+def _fit(model: str, tmp_path, mode: str) -> dict[str, torch.Tensor]:
+    import lightning as L
+
+    from esrl.callbacks import Evaluation
+    from esrl.data import PromptDataModule
+    from esrl.es.config import ESConfig
+    from esrl.es.module import ESModule
+    from esrl.policy import PolicyConfig
+    from esrl.rollout import RolloutConfig
+
+    module = ESModule(PolicyConfig(name_or_path=model, dtype="bfloat16"),
+                      RolloutConfig(max_new_tokens=140, max_batch_size=6),  # compile: auto, on for CUDA
+                      ESConfig(population_size=4, sigma=0.01, alpha=0.01, seed=3, mode=mode, lora_rank=4))
+    data = PromptDataModule("conciseness", {"train_path": str(FIXTURES / "conciseness_train3.jsonl"),
+                                            "eval_path": str(FIXTURES / "conciseness_eval2.jsonl")},
+                            prompts_per_step=2)
+    trainer = L.Trainer(accelerator="cuda", devices=1, max_steps=2, enable_progress_bar=False, logger=False,
+                        enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
+                        limit_val_batches=0, callbacks=[Evaluation(before=False, after=False)])
+    trainer.fit(module, datamodule=data)
+    assert module.engine.capabilities.static_shapes  # the compiled decode path ran
+    return {n: p.detach().cpu().clone() for n, p in module.policy.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", ["full", "lowrank", "lora"])
+def test_two_es_fits_give_identical_weights(qwen, tmp_path, mode):
+    if mode == "lora":
+        pytest.importorskip("peft")
+    a, b = _fit(qwen, tmp_path / "a", mode), _fit(qwen, tmp_path / "b", mode)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:3]
+
+
+@pytest.mark.parametrize("scaling", ["global", "rms"])
+def test_perturb_then_restore_is_bit_exact_in_bf16(qwen, scaling):
+    from esrl.es import Perturber, population, select_params
+    from esrl.es.noise import NoiseSpec
+    from esrl.models import load_causal_lm
+
+    model = load_causal_lm(qwen, "bfloat16").cuda()
+    selection = select_params(model)
+    before = [p.detach().clone() for p in selection.params]
+    perturber = Perturber(selection, NoiseSpec(sigma=0.01, sigma_scaling=scaling))
+    for member in population(1, 0, 3, antithetic=True):
+        with perturber.perturbed(member):
+            assert any(not torch.equal(p, b) for p, b in zip(selection.params, before))
+    assert all(torch.equal(p, b) for p, b in zip(selection.params, before))
+
+
+def test_batched_lowrank_equals_member_by_member_within_bf16(qwen):
+    """Logits of the hooked batch against each member's weights written in: relative error <= 1e-2 (bf16)."""
+    from esrl.es import Perturber, get_mode, population
+    from esrl.es.config import ESConfig
+    from esrl.es.setup import build_selection
+    from esrl.models import load_causal_lm, load_tokenizer
+
+    model, tok = load_causal_lm(qwen, "bfloat16").cuda(), load_tokenizer(qwen)
+    selection, spec = build_selection(model, ESConfig(mode="lowrank", sigma=0.05, rank=2))
+    members = population(4, 0, 3)
+    enc = tok(PROMPTS * len(members), return_tensors="pt", padding=True).to("cuda")
+    rows = torch.arange(len(members)).repeat_interleave(len(PROMPTS))
+    with torch.no_grad():
+        with get_mode("lowrank").population(model, selection, spec, members, rows):
+            batched = model(**enc).logits.float()
+        perturber = Perturber(selection, spec)
+        for i, m in enumerate(members):
+            with perturber.perturbed(m):
+                single = model(**{k: v[i * 2:(i + 1) * 2] for k, v in enc.items()}).logits.float()
+            got = batched[i * 2:(i + 1) * 2]
+            assert (got - single).norm() / single.norm() <= 1e-2
+
+
+def test_compiled_and_eager_engines_give_the_same_greedy_tokens_in_fp32(tmp_path):
+    from esrl.models import load_causal_lm, load_tokenizer
+    from esrl.rollout import HFEngine
+
+    path = _random_qwen(tmp_path / "fp32", dtype="float32")
+    model, tok = load_causal_lm(path).cuda(), load_tokenizer(path)
+    want = [c.token_ids for c in HFEngine(model, tok, compile="off").generate(PROMPTS, max_new_tokens=40,
+                                                                                min_new_tokens=40)]
+    compiled = HFEngine(model, tok, compile="auto")
+    assert compiled.capabilities.static_shapes
+    for _ in range(2):
+        assert [c.token_ids for c in compiled.generate(PROMPTS, max_new_tokens=40, min_new_tokens=40)] == want
