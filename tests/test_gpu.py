@@ -62,7 +62,7 @@ def _fit(model: str, tmp_path, mode: str) -> dict[str, torch.Tensor]:
                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
                         limit_val_batches=0, callbacks=[Evaluation(before=False, after=False)])
     trainer.fit(module, datamodule=data)
-    assert module.engine.capabilities.static_shapes  # the compiled decode path ran
+    assert module.engine.compile_times()  # the compiled decode path ran (the policy is back on the CPU now)
     return {n: p.detach().cpu().clone() for n, p in module.policy.named_parameters()}
 
 
