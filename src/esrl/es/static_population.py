@@ -3,11 +3,11 @@
 A compiled (static-cache, CUDA-graph) decode step can only carry a perturbation that is part of its graph from
 the first trace and that reads tensors whose address never changes. So instead of installing new hooks for
 every chunk (esrl.es.population_hooks), a StaticPopulation installs its forward hooks ONCE and keeps one set of
-device buffers, sized for a full chunk of M members; `load(members)` refills them in place with the chunk's
-factors or weights, and entering `population(row_member)` switches the hooks on for one population-batched
-generate. Rows must be member-major and every chunk must hold exactly M members (ES pads its last chunk on
-engines with static shapes), so each hook is one grouped op per perturbed layer and step, with no per-row
-gather and no host sync. Subclasses (one per noise mode) name the hooked modules, fill the buffers and apply
+device buffers per chunk size M (one size per run, or a few when the number of prompts per step changes);
+`load(members)` refills them in place with the chunk's factors or weights, and entering `population(row_member)`
+switches the hooks on for one population-batched generate. Rows must be member-major (ES pads a short last
+chunk on engines with static shapes, so chunks keep one size), so each hook is one grouped op per perturbed
+layer and step, with no per-row gather and no host sync. Subclasses (one per noise mode) name the hooked modules, fill the buffers and apply
 them. Plain torch.
 """
 
@@ -26,8 +26,9 @@ class StaticPopulation:
     def __init__(self, model: torch.nn.Module, selection: ParamSelection, spec: NoiseSpec):
         self.model, self.selection, self.spec = model, selection, spec
         self.active = False
-        self.members = 0  # M, fixed by the first load
-        self._buffers: dict[str, tuple[torch.Tensor, ...]] = {}
+        self.members = 0  # M of the loaded chunk
+        self._buffers: dict[str, tuple[torch.Tensor, ...]] = {}  # the loaded chunk size's buffers
+        self._sizes: dict[int, dict[str, tuple[torch.Tensor, ...]]] = {}  # M -> its buffers, kept for the run
         self._handles = [module.register_forward_hook(self._hook(key)) for key, module in self._targets()]
 
     # -- what a mode provides ----------------------------------------------------------------------------------
@@ -46,20 +47,20 @@ class StaticPopulation:
     # -- the frame ------------------------------------------------------------------------------------------
     @torch.no_grad()
     def load(self, members: Sequence[Member]) -> None:
-        """Refill every buffer in place with this chunk's members (the first call allocates them)."""
+        """Refill the buffers of this chunk size in place with its members (a new size allocates its own)."""
         filled = self._fill(members)
-        if not self._buffers:
-            self.members = len(members)
-            for key, tensors in filled.items():
-                self._buffers[key] = tuple(t.contiguous().clone() for t in tensors)
-                for t in self._buffers[key]:
+        self.members = len(members)
+        if self.members not in self._sizes:
+            buffers = {key: tuple(t.contiguous().clone() for t in tensors) for key, tensors in filled.items()}
+            for tensors in buffers.values():
+                for t in tensors:
                     torch._dynamo.mark_static_address(t)  # CUDA graphs read it in place, no copy per replay
-            return
-        if len(members) != self.members:
-            raise ValueError(f"a static population holds {self.members} members per chunk, got {len(members)}")
-        for key, tensors in filled.items():
-            for buffer, t in zip(self._buffers[key], tensors):
-                buffer.copy_(t)
+            self._sizes[self.members] = buffers
+        else:
+            for key, tensors in filled.items():
+                for buffer, t in zip(self._sizes[self.members][key], tensors):
+                    buffer.copy_(t)
+        self._buffers = self._sizes[self.members]
 
     @contextmanager
     def population(self, row_member: torch.Tensor) -> Iterator[None]:
