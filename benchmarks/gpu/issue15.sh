@@ -41,11 +41,11 @@ if not os.path.exists(out + "/config.json"):
         m = Qwen2ForCausalLM(Qwen2Config(**QWEN25_15B, torch_dtype="bfloat16")).to(torch.bfloat16)
     m.save_pretrained(out); load_tokenizer(os.environ["ESRL_TOKENIZER"]).save_pretrained(out)
 PY
-  for mode in lowrank full; do
-    steps=3; [ $mode = full ] && steps=1
+  for mode in ${E2E_MODES:-lowrank full}; do
+    steps=${E2E_STEPS:-3}; [ $mode = full ] && steps=1
     timeout 200 python3 -m esrl.cli fit --config configs/es_conciseness.yaml --model.policy.name_or_path /tmp/qwen15b \
       --model.es.mode $mode --trainer.max_steps $steps --trainer.default_root_dir /tmp/e2e_$mode \
-      --trainer.enable_checkpointing false --trainer.enable_progress_bar false 2>&1 | grep -v -i warn | tail -6
+      --trainer.enable_progress_bar false 2>&1 | grep -v -i warn | tail -6
     f=$(ls /tmp/e2e_$mode/lightning_logs/version_*/metrics.csv 2>/dev/null | head -1)
     [ -n "$f" ] && cp "$f" "$OUT/e2e_${mode}_metrics.csv"
   done

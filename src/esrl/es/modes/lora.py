@@ -132,9 +132,9 @@ def init_adapter(model: torch.nn.Module, seed: int, init: str = "kaiming") -> No
             r, fan_in = p.shape
             if init == "kaiming":
                 bound = 1.0 / math.sqrt(fan_in)
-                a = torch.rand(p.shape, generator=generator, dtype=torch.float32).mul_(2 * bound).sub_(bound)
+                a = torch.rand(p.shape, generator=generator, dtype=torch.float32, device="cpu").mul_(2 * bound).sub_(bound)
             elif init == "gaussian":
-                a = torch.randn(p.shape, generator=generator, dtype=torch.float32).div_(r)
+                a = torch.randn(p.shape, generator=generator, dtype=torch.float32, device="cpu").div_(r)
             else:
                 raise ValueError(f"unknown lora_init {init!r}")
             p.copy_(a.to(p.device, p.dtype))
