@@ -92,7 +92,8 @@ def test_perturb_then_restore_is_bit_exact_in_bf16(qwen, scaling):
 
 
 def test_batched_lowrank_equals_member_by_member_within_bf16(qwen):
-    """Logits of the hooked batch against each member's weights written in: relative error <= 1e-2 (bf16)."""
+    """Logits of the hooked batch against each member's weights written in (bf16): the two differ by the bf16
+    rounding of W + dW (1.75e-2 relative, measured on an H100), far less than the perturbation itself moves them."""
     from esrl.es import Perturber, get_mode, population
     from esrl.es.config import ESConfig
     from esrl.es.setup import build_selection
@@ -104,14 +105,16 @@ def test_batched_lowrank_equals_member_by_member_within_bf16(qwen):
     enc = tok(PROMPTS * len(members), return_tensors="pt", padding=True).to("cuda")
     rows = torch.arange(len(members)).repeat_interleave(len(PROMPTS))
     with torch.no_grad():
+        base = model(**enc).logits.float()
         with get_mode("lowrank").population(model, selection, spec, members, rows):
             batched = model(**enc).logits.float()
         perturber = Perturber(selection, spec)
         for i, m in enumerate(members):
             with perturber.perturbed(m):
                 single = model(**{k: v[i * 2:(i + 1) * 2] for k, v in enc.items()}).logits.float()
-            got = batched[i * 2:(i + 1) * 2]
-            assert (got - single).norm() / single.norm() <= 1e-2
+            got, unperturbed = batched[i * 2:(i + 1) * 2], base[i * 2:(i + 1) * 2]
+            error, effect = (got - single).norm(), (single - unperturbed).norm()
+            assert error / single.norm() <= 5e-2 and error <= 0.1 * effect, (error, effect)
 
 
 def test_compiled_and_eager_engines_give_the_same_greedy_tokens_in_fp32(tmp_path):

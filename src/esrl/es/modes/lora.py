@@ -132,7 +132,8 @@ def init_adapter(model: torch.nn.Module, seed: int, init: str = "kaiming") -> No
             r, fan_in = p.shape
             if init == "kaiming":
                 bound = 1.0 / math.sqrt(fan_in)
-                a = torch.rand(p.shape, generator=generator, dtype=torch.float32, device="cpu").mul_(2 * bound).sub_(bound)
+                a = torch.rand(p.shape, generator=generator, dtype=torch.float32, device="cpu")
+                a = a.mul_(2 * bound).sub_(bound)
             elif init == "gaussian":
                 a = torch.randn(p.shape, generator=generator, dtype=torch.float32, device="cpu").div_(r)
             else:
