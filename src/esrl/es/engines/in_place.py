@@ -10,35 +10,15 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import torch
-
-from esrl.es.modes.base import NoiseMode
-from esrl.es.noise import Member, NoiseSpec
-from esrl.es.params import ParamSelection
-from esrl.es.update import Perturber
-from esrl.rollout import RolloutEngine, RowWeights
+from esrl.es.engines.base import ESBackend
+from esrl.es.noise import Member
+from esrl.rollout import RowWeights
 
 
-class InPlaceES:
-    def __init__(self, engine: RolloutEngine, policy: torch.nn.Module, selection: ParamSelection, spec: NoiseSpec,
-                 mode: NoiseMode):
-        self.engine, self.policy, self.selection, self.spec, self.mode = engine, policy, selection, spec, mode
-        self.perturber = Perturber(selection, spec)
+class InPlaceES(ESBackend):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.static = None  # the mode's StaticPopulation, once the engine decodes compiled
-
-    def perturb(self, member: Member) -> None:
-        self.perturber.perturb(member)
-
-    def restore(self) -> None:
-        self.perturber.restore()
-
-    @property
-    def is_perturbed(self) -> bool:
-        return self.perturber.is_perturbed
-
-    def free(self) -> None:
-        """Drop the perturbation backup before the update allocates its gradients."""
-        self.perturber.free()
 
     def row_weights(self, members: Sequence[Member]) -> RowWeights:
         if self.engine.capabilities.static_shapes:
@@ -47,9 +27,3 @@ class InPlaceES:
             self.static.load(members)
             return self.static.population
         return lambda row_member: self.mode.population(self.policy, self.selection, self.spec, members, row_member)
-
-    def after_update(self) -> None:
-        """Nothing to do: the engine generates with the updated policy itself."""
-
-    def sync(self) -> None:
-        """Nothing to do: the engine generates with the (restored) policy itself."""

@@ -14,40 +14,18 @@ from typing import Iterator, Sequence
 
 import torch
 
-from esrl.es.modes.base import NoiseMode
-from esrl.es.noise import Member, NoiseSpec
-from esrl.es.params import ParamSelection
-from esrl.es.update import Perturber
-from esrl.rollout import RolloutEngine, RowWeights
+from esrl.es.engines.base import ESBackend
+from esrl.es.noise import Member
+from esrl.rollout import RowWeights
 
 
-class SeparateES:
-    def __init__(self, engine: RolloutEngine, policy: torch.nn.Module, selection: ParamSelection, spec: NoiseSpec,
-                 mode: NoiseMode):
-        if mode.batched and not engine.capabilities.row_adapters:
-            raise RuntimeError(f"esrl: ES mode {mode.name} needs an engine built with row adapters")
-        self.engine, self.policy, self.selection, self.spec, self.mode = engine, policy, selection, spec, mode
-        self.perturber = Perturber(selection, spec)
-        if mode.policy_adapter(policy) is not None:
+class SeparateES(ESBackend):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.mode.batched and not self.engine.capabilities.row_adapters:
+            raise RuntimeError(f"esrl: ES mode {self.mode.name} needs an engine built with row adapters")
+        if self.mode.policy_adapter(self.policy) is not None:
             self.sync()
-
-    def _push(self) -> None:
-        self.engine.load_weights(list(zip(self.selection.names, self.selection.params)))
-
-    def perturb(self, member: Member) -> None:
-        self.perturber.perturb(member)
-        self._push()
-
-    def restore(self) -> None:
-        self.perturber.restore()
-        self._push()
-
-    @property
-    def is_perturbed(self) -> bool:
-        return self.perturber.is_perturbed
-
-    def free(self) -> None:
-        self.perturber.free()
 
     def row_weights(self, members: Sequence[Member]) -> RowWeights:
         @contextmanager
@@ -60,13 +38,10 @@ class SeparateES:
 
         return member_adapters
 
-    def after_update(self) -> None:
-        self.sync()
-
-    def sync(self) -> None:
-        """Bring the engine to the policy's current weights (after an update, or a checkpoint loaded into it)."""
+    def _weights_changed(self) -> None:
+        """Bring the engine to the policy's current weights: its adapter (lora), else the selected tensors."""
         adapter = self.mode.policy_adapter(self.policy)
         if adapter is not None:
             self.engine.set_default_adapter(adapter)
         else:
-            self._push()
+            self.engine.load_weights(list(zip(self.selection.names, self.selection.params)))
