@@ -25,3 +25,12 @@ def require(condition: bool, field: str, message: str) -> None:
 
 class ScorerError(EsrlError, RuntimeError):
     """A scorer (service or model) could not be reached or gave an unusable answer; the message names it."""
+
+
+class RewardError(EsrlError, ValueError):
+    """A reward function gave unusable values (a non-number, or too many non-finite ones in one step); the
+    message names the function and, for non-finite values, the step."""
+
+
+class NonFiniteUpdateError(EsrlError, FloatingPointError):
+    """An update would have made weights non-finite: it was refused and the run stops without `final/`."""

@@ -19,6 +19,7 @@ from esrl.es.shaping import shape_fitness
 from esrl.es.update import es_step, weights_checksum
 from esrl.policy import PolicyConfig, PolicyModule, world_info
 from esrl.rollout import AdapterSpec, RolloutConfig, engine_capabilities
+from esrl.tasks.reward_values import check_bad_rewards
 
 
 class WeightDriftError(RuntimeError):
@@ -46,6 +47,7 @@ class ESModule(PolicyModule):
         self.selection = None
         self.backend = None  # esrl.es.engines: ES on this engine
         self.seed_log_records: list[dict[str, Any]] = []
+        self._bad_sources: set[str] = set()  # reward functions that gave non-finite values this iteration
 
     def configure_model(self) -> None:
         super().configure_model()
@@ -80,6 +82,7 @@ class ESModule(PolicyModule):
         reward, mean cost and safe fraction (cost <= 0). Texts are member-major, len(rows) per member."""
         with self.timed("reward"):
             rewards = self.task.rewards([r for _ in range(n_members) for r in rows], texts)
+        self._bad_sources.update(self.task.last_bad)
         scores = torch.zeros(n_members, 4, dtype=torch.float64)
         scores[:, 0] = torch.tensor(rewards, dtype=torch.float64).view(n_members, -1).mean(1)
         constraint = self.constraint
@@ -126,6 +129,7 @@ class ESModule(PolicyModule):
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         self._timings = {}
+        self._bad_sources = set()
         start = time.perf_counter()
         rows = batch["rows"]
         iteration = self.global_step
@@ -146,14 +150,18 @@ class ESModule(PolicyModule):
         with self.timed("sync"):
             scores = self.trainer.strategy.sum_across_ranks(local) if world > 1 else local
         fitness = scores[:, 0]
-        shaped = shape_fitness(fitness, self.es.shaping)
+        bad = int((~torch.isfinite(fitness)).sum())  # every rank sees the same gathered fitness: all stop or none
+        check_bad_rewards(bad, len(members), step=iteration, unit="ES members", sources=self._bad_sources,
+                          min_usable=2)
+        shaped = shape_fitness(fitness, self.es.shaping)  # bad members get 0
 
         with self.timed("update"):
             opt = self.optimizers()
             self.backend.free()
             # grad = -g, then ONE step through Lightning's optimizer (its precision and strategy plugins see
             # it; SGD lr=alpha: theta += alpha g); the engine then sees the updated policy.
-            es_step(opt.optimizer, self.selection, members, shaped, self.noise_spec, step=opt.step)
+            es_step(opt.optimizer, self.selection, members, shaped, self.noise_spec, step=opt.step,
+                    iteration=iteration)
             self.backend.after_update()
             scheduler = self.lr_schedulers()
             if scheduler is not None:
@@ -163,12 +171,12 @@ class ESModule(PolicyModule):
                 self.check_drift()
 
         alpha = opt.optimizer.param_groups[0]["lr"]
-        constrained = {}
+        extra = {"train/bad_rewards": bad}  # members left out of the update for a NaN/inf reward
         if self.constraint is not None:  # every rank holds all members' costs: lambda stays equal across ranks
-            constrained = self.adapt_lambda(float(scores[:, 2].sum()), len(members))
-            constrained.update({"train/raw_reward_mean": float(scores[:, 1].mean()),
-                                "train/safe_frac": float(scores[:, 3].mean())})
-        self._log_iteration(fitness, shaped, alpha, time.perf_counter() - start, constrained)
+            extra.update(self.adapt_lambda(float(scores[:, 2].sum()), len(members)))
+            extra.update({"train/raw_reward_mean": float(scores[:, 1].mean()),
+                          "train/safe_frac": float(scores[:, 3].mean())})
+        self._log_iteration(fitness, shaped, alpha, time.perf_counter() - start, extra)
         if self.trainer.is_global_zero:
             self._append_seed_log(iteration, members, shaped, alpha)
 
@@ -180,7 +188,7 @@ class ESModule(PolicyModule):
 
     def _log_iteration(self, fitness: torch.Tensor, shaped: torch.Tensor, alpha: float, total: float,
                        extra: dict[str, float]) -> None:
-        f = fitness.float()
+        f = fitness[torch.isfinite(fitness)].float()  # members with a bad reward are counted, not averaged
         metrics = {"train/reward_mean": f.mean(), "train/reward_std": f.std(unbiased=False),
                    "train/reward_min": f.min(), "train/reward_max": f.max(),
                    "train/shaped_abs_mean": shaped.abs().mean().float(), "train/alpha": alpha,

@@ -30,11 +30,22 @@ def centered_rank(fitness: torch.Tensor) -> torch.Tensor:
     return ranks / (n - 1) - 0.5
 
 
-def shape_fitness(fitness: torch.Tensor, method: Shaping = "zscore") -> torch.Tensor:
+def _shape(f: torch.Tensor, method: Shaping) -> torch.Tensor:
     if method == "zscore":
-        return zscore(fitness)
+        return zscore(f)
     if method == "centered_rank":
-        return centered_rank(fitness)
+        return centered_rank(f)
     if method == "raw":
-        return fitness.double().clone()
+        return f.double().clone()
     raise ValueError(f"unknown fitness shaping {method!r}")
+
+
+def shape_fitness(fitness: torch.Tensor, method: Shaping = "zscore") -> torch.Tensor:
+    """Shaped fitness of the members with a finite fitness, 0 for the others: a member with a NaN/inf reward is
+    left out of the statistics and out of the update (the policy: esrl.tasks.reward_values)."""
+    usable = torch.isfinite(fitness)
+    if bool(usable.all()):
+        return _shape(fitness, method)
+    shaped = torch.zeros(fitness.shape, dtype=torch.float64)
+    shaped[usable] = _shape(fitness[usable], method)
+    return shaped

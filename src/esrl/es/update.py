@@ -14,6 +14,7 @@ import torch
 from esrl.es.modes import get_mode
 from esrl.es.noise import Member, NoiseSpec, folded_coefficients, generator_on, member_weight, tensor_scale
 from esrl.es.params import ParamSelection
+from esrl.finite import check_gradient, check_weights
 
 
 class Perturber:
@@ -102,17 +103,22 @@ def set_es_grads(selection: ParamSelection, members: Sequence[Member], weights: 
 
 
 def es_step(optimizer: torch.optim.Optimizer, selection: ParamSelection, members: Sequence[Member],
-            weights: torch.Tensor, spec: NoiseSpec | None = None, step=None) -> None:
+            weights: torch.Tensor, spec: NoiseSpec | None = None, step=None, iteration: int = 0) -> None:
     """grad = -g on every perturbed tensor, then ONE optimizer step, then the grads are dropped.
 
     `step` (Lightning's LightningOptimizer.step in training, so the precision and strategy plugins see the
     step) defaults to optimizer.step (seed-log replay): both make the same elementwise update. Memory: one
-    gradient in the weights' dtype per perturbed tensor during the step, as for any optimizer.
+    gradient in the weights' dtype per perturbed tensor during the step, as for any optimizer. A non-finite g
+    is refused before the step and non-finite weights after it stop the run (esrl.finite; `iteration` names it).
     """
     set_es_grads(selection, members, weights, spec)
-    (step or optimizer.step)()
-    for p in selection.params:
-        p.grad = None
+    try:
+        check_gradient([p.grad for p in selection.params], algo="ES", step=iteration)
+        (step or optimizer.step)()
+    finally:
+        for p in selection.params:
+            p.grad = None
+    check_weights(selection.params, algo="ES", step=iteration)
 
 
 def weights_checksum(params: Sequence[torch.Tensor]) -> torch.Tensor:

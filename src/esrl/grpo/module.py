@@ -27,6 +27,7 @@ from lightning.pytorch.cli import LightningCLI, LRSchedulerCallable, OptimizerCa
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 
+from esrl.finite import check_gradient, check_weights
 from esrl.grpo.advantages import group_advantages, nanstd
 from esrl.grpo.config import GRPOConfig
 from esrl.grpo.loss import GRPOLoss
@@ -37,6 +38,7 @@ from esrl.models.logps import per_token_logps
 from esrl.policy import PolicyConfig, PolicyModule, world_info
 from esrl.rollout import Completion, RolloutConfig, render_prompts
 from esrl.seeding import derive_seed
+from esrl.tasks.reward_values import check_bad_rewards
 
 
 def sampling_seed(run_seed: int, step: int, micro_batch: int, rank: int) -> int:
@@ -179,7 +181,7 @@ class GRPOModule(PolicyModule):
             rewards = self.task.rewards(repeated, [c.text for c in completions])
         if self.constraint is not None:  # per-sample reward - lambda * cost; the costs adapt lambda after the step
             self._step_costs.extend(self.constraint.last_costs)
-        rewards = torch.tensor(rewards, dtype=torch.float32)
+        rewards = self.checked_rewards(torch.tensor(rewards, dtype=torch.float32))
         advantages = group_advantages(rewards, G, self.grpo.scale_rewards)
 
         rollout = self._to_tensors(prompts, completions, rewards, advantages)
@@ -192,6 +194,16 @@ class GRPOModule(PolicyModule):
                 rollout.ref_logps = per_token_logps(self.reference.model, rollout.input_ids,
                                                     rollout.attention_mask, width, temperature)
         return rollout
+
+    def checked_rewards(self, rewards: torch.Tensor) -> torch.Tensor:
+        """Every non-finite reward as NaN (a float32 overflow included): left out of its group's mean and std,
+        advantage 0. Too many in this micro-batch, on any rank, stop the run (esrl.tasks.reward_values)."""
+        rewards = torch.where(torch.isfinite(rewards), rewards, torch.nan)
+        local = torch.tensor([float(rewards.isnan().sum()), rewards.numel()], dtype=torch.float64)
+        total = self.trainer.strategy.reduce(local.to(self.device), reduce_op="sum").cpu()
+        check_bad_rewards(int(total[0]), int(total[1]), step=self.global_step, unit="GRPO samples",
+                          sources=self.task.last_bad)
+        return rewards
 
     def _to_tensors(self, prompts, completions: list[Completion], rewards: torch.Tensor,
                     advantages: torch.Tensor) -> RolloutBatch:
@@ -222,11 +234,13 @@ class GRPOModule(PolicyModule):
         G = self.grpo.num_generations
         r, adv, lengths = rollout.rewards, rollout.advantages.float().cpu(), rollout.lengths.float()
         group_std = nanstd(r.view(-1, G), dim=1)
+        finite = r[~r.isnan()]  # never empty: a micro-batch of mostly bad rewards stopped the run
         metrics = {
             "train/loss": loss.detach(),
-            "train/reward_mean": r.mean(), "train/reward_std": group_std.mean(),
-            "train/reward_min": r.min(), "train/reward_max": r.max(),
+            "train/reward_mean": r.nanmean(), "train/reward_std": group_std.nanmean(),
+            "train/reward_min": finite.min(), "train/reward_max": finite.max(),
             "train/frac_reward_zero_std": (group_std < 1e-6).float().mean(),
+            "train/bad_rewards": r.isnan().sum(),  # samples left out of the advantages for a NaN/inf reward
             "train/advantage_abs_mean": adv.abs().mean(), "train/advantage_std": adv.std(unbiased=False),
             "train/advantage_min": adv.min(), "train/advantage_max": adv.max(),
             "train/completion_length_mean": lengths.mean(), "train/completion_length_min": lengths.min(),
@@ -238,11 +252,13 @@ class GRPOModule(PolicyModule):
         batch_size = r.numel()
         self.log_dict({k: float(v) for k, v in metrics.items()}, on_step=True, on_epoch=False, sync_dist=True,
                       batch_size=batch_size)
-        self.log("reward", float(r.mean()), prog_bar=True, on_step=True, on_epoch=False, logger=False,
+        self.log("reward", float(r.nanmean()), prog_bar=True, on_step=True, on_epoch=False, logger=False,
                  batch_size=batch_size)
 
     def on_before_optimizer_step(self, optimizer) -> None:
         grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
+        if grads and getattr(self.trainer.precision_plugin, "scaler", None) is None:  # fp16 scaling skips inf steps
+            check_gradient(grads, algo="GRPO", step=self.global_step)
         if grads:  # before clipping, as TRL logs it (DeepSpeed keeps its own gradients: none here)
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
             self.log("train/grad_norm", float(norm), on_step=True, on_epoch=False, sync_dist=True)
@@ -252,8 +268,11 @@ class GRPOModule(PolicyModule):
         """Lightning's optimizer step, then the policy's new weights pushed into a vLLM engine (HF names), so
         the next rollout samples from the updated policy. The HF engine generates with the policy itself.
         With rollout.vllm_sleep the engine slept since the rollout; the push wakes it.
-        Not with DeepSpeed ZeRO-3 (partitioned parameters would need gathering first)."""
+        Not with DeepSpeed ZeRO-3 (partitioned parameters would need gathering first). Non-finite weights after
+        the step stop the run (esrl.finite)."""
+        step = self.global_step
         super().optimizer_step(*args, **kwargs)
+        check_weights((p for p in self.policy.parameters() if p.requires_grad), algo="GRPO", step=step)
         if not self.engine.capabilities.shares_policy_weights:
             self.engine.load_weights(list(self.policy.named_parameters()))
         if self.constraint is not None:

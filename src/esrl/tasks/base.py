@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
+
+from esrl.tasks.reward_values import reward_floats, reward_name
 
 # A prompt is either raw text or a chat conversation (list of {"role", "content"} messages) that the
 # rollout engine renders with the tokenizer's chat template.
@@ -38,6 +41,8 @@ class Task:
     # metric name -> f(prompts, completions, **columns) -> list[float]; averaged over the eval set.
     metric_funcs: dict[str, RewardFunc] = field(default_factory=dict)
     prompt_fn: Callable[[dict[str, Any]], Prompt] | None = None
+    # reward function name -> how many non-finite values it gave in the last `rewards` call (for error messages).
+    last_bad: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
 
     def prompt(self, row: dict[str, Any]) -> Prompt:
         if self.prompt_fn is not None:
@@ -58,19 +63,23 @@ class Task:
         return {k: [r.get(k) for r in rows] for k in keys}
 
     def rewards(self, rows: Sequence[dict[str, Any]], texts: Sequence[str]) -> list[float]:
-        """Weighted sum of the reward functions; None (not applicable) counts as 0, as in TRL."""
+        """Weighted sum of the reward functions; None (not applicable) counts as 0, as in TRL. A non-number is a
+        RewardError naming the function; a non-finite total is NaN, and `last_bad` says which function gave it
+        (the policy: esrl.tasks.reward_values)."""
         prompts = self.prompts(rows)
         completions = self.as_completions(prompts, texts)
         columns = self._columns(rows)
         weights = self.reward_weights or [1.0] * len(self.reward_funcs)
         total = [0.0] * len(texts)
+        self.last_bad = {}
         for w, f in zip(weights, self.reward_funcs):
-            values = f(prompts=prompts, completions=completions, **columns)
-            if len(values) != len(texts):
-                name = getattr(f, "__name__", repr(f))
-                raise ValueError(f"reward function {name} returned {len(values)} values for {len(texts)} completions")
-            total = [t + w * (0.0 if v is None else float(v)) for t, v in zip(total, values)]
-        return total
+            name = reward_name(f)
+            values = reward_floats(name, f(prompts=prompts, completions=completions, **columns), len(texts))
+            bad = sum(math.isnan(v) for v in values)
+            if bad:
+                self.last_bad[name] = self.last_bad.get(name, 0) + bad
+            total = [t + w * v for t, v in zip(total, values)]
+        return [t if math.isfinite(t) else math.nan for t in total]
 
     def metrics(self, rows: Sequence[dict[str, Any]], texts: Sequence[str]) -> dict[str, list[float]]:
         """Per-sample values of each evaluation metric (averaged by the caller)."""
@@ -79,5 +88,5 @@ class Task:
         columns = self._columns(rows)
         out = {}
         for name, f in self.metric_funcs.items():
-            out[name] = [0.0 if v is None else float(v) for v in f(prompts=prompts, completions=completions, **columns)]
+            out[name] = reward_floats(name, f(prompts=prompts, completions=completions, **columns), len(texts))
         return out

@@ -1,0 +1,70 @@
+"""The reward policy ES and GRPO share: rewards are numbers, and non-finite ones are excluded, within a limit.
+
+A reward function returns, per completion, a real number or None (not applicable: counts as 0, as in TRL). A
+bool, a string (even "1.5") or any other type is a RewardError naming the function: nothing is coerced
+silently. NaN and +/-inf pass through as NaN and make that completion *bad*. ES excludes a member with any bad
+reward from fitness shaping (its shaped fitness is 0, the update still divides by N); GRPO excludes a bad sample
+from its group's mean and std (advantage 0). Both log the count as `train/bad_rewards`. A step where more than
+MAX_BAD_FRACTION of them are bad, or fewer than `min_usable` remain (ES: 2), stops the run with one line naming
+the reward function(s) and the step, before any weight changes.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Iterable
+
+from esrl.errors import RewardError
+
+MAX_BAD_FRACTION = 0.5
+"""A step stops when more than this fraction of its members (ES) or samples (GRPO) has a non-finite reward."""
+
+
+def reward_name(func: Any) -> str:
+    return getattr(func, "__name__", None) or repr(func)
+
+
+def _number(value: Any) -> float | None:
+    """A real number as float, None for anything else (bools and strings included)."""
+    if hasattr(value, "item") and not isinstance(value, (str, bytes)):  # numpy / torch scalars
+        try:
+            value = value.item()
+        except (ValueError, RuntimeError, TypeError):
+            return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    return float(value)
+
+
+def reward_floats(name: str, values: Any, expected: int) -> list[float]:
+    """The values of reward function `name` as floats (None -> 0.0); a non-number or a wrong count is a
+    RewardError. Non-finite values stay (as NaN for the caller to exclude)."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise RewardError(f"reward function {name} returned {type(values).__name__}, not a list of numbers")
+    values = list(values)
+    if len(values) != expected:
+        raise RewardError(f"reward function {name} returned {len(values)} values for {expected} completions")
+    out = []
+    for i, v in enumerate(values):
+        if v is None:
+            out.append(0.0)
+            continue
+        x = _number(v)
+        if x is None:
+            raise RewardError(f"reward function {name} returned {v!r:.40} ({type(v).__name__}) for completion {i}: "
+                              "rewards must be numbers (int or float) or None")
+        out.append(x if math.isfinite(x) else math.nan)
+    return out
+
+
+def check_bad_rewards(bad: int, total: int, *, step: int, unit: str, sources: Iterable[str],
+                      min_usable: int = 1) -> None:
+    """Stop the run (RewardError) when too many of a step's `total` members/samples have a non-finite reward."""
+    usable = total - bad
+    if bad == 0 or (bad <= MAX_BAD_FRACTION * total and usable >= min_usable):
+        return
+    names = ", ".join(sorted(set(sources))) or "the task's reward"
+    raise RewardError(f"step {step}: reward function {names} gave non-finite rewards (NaN/inf) to {bad} of {total} "
+                      f"{unit}, more than the {MAX_BAD_FRACTION:.0%} allowed (at least {min_usable} must be usable); "
+                      "stopped before the update")

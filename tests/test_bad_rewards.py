@@ -1,0 +1,159 @@
+"""Non-finite and non-numeric rewards (issue 17.1): one policy for ES and GRPO, and weights never non-finite."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import FIXTURES, load_safetensors, run_esrl, write_tiny_config
+
+from esrl.errors import NonFiniteUpdateError, RewardError
+from esrl.es.noise import population
+from esrl.es.params import select_params
+from esrl.es.shaping import shape_fitness
+from esrl.es.update import es_step
+from esrl.tasks.base import Task
+from esrl.tasks.reward_values import check_bad_rewards
+
+NAN, INF = math.nan, math.inf
+
+
+# -- units: shaping, the threshold, types, the update guard -------------------------------------------------------
+@pytest.mark.parametrize("method", ["zscore", "centered_rank", "raw"])
+def test_shaping_leaves_out_non_finite_members(method):
+    fitness = torch.tensor([1.0, NAN, 3.0, INF, 6.0, -INF], dtype=torch.float64)
+    shaped = shape_fitness(fitness, method)
+    finite = torch.tensor([1.0, 3.0, 6.0], dtype=torch.float64)
+    assert torch.isfinite(shaped).all()
+    assert shaped[[1, 3, 5]].tolist() == [0.0, 0.0, 0.0]
+    assert torch.equal(shaped[[0, 2, 4]], shape_fitness(finite, method))  # as if the bad ones never ran
+
+
+def test_too_many_bad_rewards_stop_the_step_naming_function_and_step():
+    check_bad_rewards(0, 4, step=3, unit="ES members", sources=[], min_usable=2)
+    check_bad_rewards(2, 4, step=3, unit="ES members", sources=["f"], min_usable=2)  # half is allowed
+    with pytest.raises(RewardError, match=r"^step 3: reward function f gave non-finite .* 3 of 4 ES members"):
+        check_bad_rewards(3, 4, step=3, unit="ES members", sources=["f"], min_usable=2)
+    with pytest.raises(RewardError, match="1 of 2"):  # half, but fewer than 2 usable members
+        check_bad_rewards(1, 2, step=0, unit="ES members", sources=["f"], min_usable=2)
+
+
+def _task(*funcs, weights=None) -> Task:
+    rows = [{"prompt": "a"}, {"prompt": "b"}]
+    return Task(name="t", train_rows=rows, eval_rows=[], reward_funcs=list(funcs), reward_weights=weights)
+
+
+def test_rewards_non_finite_become_nan_and_name_their_function():
+    def good(prompts, completions, **kw):
+        return [1.0, None]
+
+    def broken(prompts, completions, **kw):
+        return [INF, 2]
+
+    task = _task(good, broken)
+    out = task.rewards(task.train_rows, ["x", "y"])
+    assert math.isnan(out[0]) and out[1] == 2.0
+    assert task.last_bad == {"broken": 1}
+    task = _task(good)
+    assert task.rewards(task.train_rows, ["x", "y"]) == [1.0, 0.0] and task.last_bad == {}
+
+
+@pytest.mark.parametrize("value", [True, "1.5", "nan", [1.0], {"r": 1}])
+def test_a_non_number_reward_is_an_error_naming_the_function(value):
+    def picky(prompts, completions, **kw):
+        return [1.0, value]
+
+    task = _task(picky)
+    with pytest.raises(RewardError, match=r"^reward function picky returned .* for completion 1: rewards must be"):
+        task.rewards(task.train_rows, ["x", "y"])
+
+
+def test_numpy_and_torch_scalars_are_numbers():
+    np = pytest.importorskip("numpy")
+
+    def scalars(prompts, completions, **kw):
+        return [np.float32(0.5), torch.tensor(2)]
+
+    task = _task(scalars)
+    assert task.rewards(task.train_rows, ["x", "y"]) == [0.5, 2.0]
+
+
+def test_a_non_finite_es_update_is_refused_and_leaves_weights_unchanged():
+    model = torch.nn.Linear(3, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    sel = select_params(model)
+    opt = torch.optim.SGD(sel.params, lr=0.1)
+    weights = torch.tensor([1.0, -1.0, INF, 0.0], dtype=torch.float64)  # never from shape_fitness; a guard
+    with pytest.raises(NonFiniteUpdateError, match=r"^ES step 7: the update is not finite"):
+        es_step(opt, sel, population(0, 7, 4), weights, iteration=7)
+    for p, q in zip(model.parameters(), before):
+        assert torch.equal(p, q) and p.grad is None
+    with torch.no_grad():  # a finite step that overflows the weights' dtype is caught after it
+        model.weight.fill_(torch.finfo(torch.float32).max)
+    with pytest.raises(NonFiniteUpdateError, match="made weights non-finite"):
+        es_step(torch.optim.SGD(sel.params, lr=1e38), sel, population(0, 7, 4),
+                torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64), iteration=7)
+
+
+# -- through the real CLI: a jsonl task whose reward function returns NaN / inf -------------------------------------
+@pytest.fixture(scope="module")
+def jsonl_data(tmp_path_factory) -> dict[str, Path]:
+    """Train files (3 prompts, one `bad` kind each) and one clean eval file."""
+    root = tmp_path_factory.mktemp("bad_rewards")
+    rows = [json.loads(line) for line in (FIXTURES / "conciseness_train3.jsonl").read_text().splitlines()]
+    files = {}
+    for kind in ("member", "sample", "all"):
+        files[kind] = root / f"train_{kind}.jsonl"
+        files[kind].write_text("".join(json.dumps({"prompt": r["question"], "bad": kind}) + "\n" for r in rows))
+    files["eval"] = root / "eval.jsonl"
+    files["eval"].write_text('{"prompt": "What is 2 + 2?"}\n{"prompt": "Name a colour."}\n')
+    return files
+
+
+def _fit(tiny_model, jsonl_data, kind: str, root: Path, monkeypatch, *extra: str):
+    monkeypatch.setenv("PYTHONPATH", str(FIXTURES))
+    config = write_tiny_config(root / "c.yaml", tiny_model, max_steps=2, es={"population_size": 4},
+                               rollout={"temperature": 1.0}, grpo={"num_generations": 4, "learning_rate": 1e-3})
+    data = yaml.safe_load(config.read_text())
+    data["data"] = {"task": "jsonl", "prompts_per_step": 1,
+                    "task_args": {"train_path": str(jsonl_data[kind]), "eval_path": str(jsonl_data["eval"]),
+                                  "reward_funcs": ["nonfinite_rewards:flaky"]}}
+    config.write_text(yaml.safe_dump(data))
+    return run_esrl("fit", "--config", config, "--trainer.default_root_dir", root / "run", *extra)
+
+
+def _metric(root: Path, name: str) -> list[float]:
+    (path,) = root.rglob("metrics.csv")
+    return [float(r[name]) for r in csv.DictReader(path.open()) if r.get(name)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo, kind", [("es", "member"), ("grpo", "sample")])
+def test_bad_rewards_are_excluded_and_counted(algo, kind, tiny_model, jsonl_data, tmp_path, monkeypatch):
+    """ES: 2 of 4 members per iteration have a NaN / -inf reward; GRPO: 2 of 4 samples NaN / +inf. Both train on,
+    log train/bad_rewards = 2 each step, and leave a finite final model."""
+    out = _fit(tiny_model, jsonl_data, kind, tmp_path, monkeypatch, "--algo", algo)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert _metric(tmp_path, "train/bad_rewards") == [2.0, 2.0]
+    assert all(math.isfinite(v) for v in _metric(tmp_path, "train/reward_mean"))
+    (final,) = tmp_path.rglob("final/model.safetensors")
+    assert all(torch.isfinite(t).all() for t in load_safetensors(final).values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo, unit", [("es", "4 of 4 ES members"), ("grpo", "4 of 4 GRPO samples")])
+def test_a_step_of_mostly_bad_rewards_stops_the_run_in_one_line(algo, unit, tiny_model, jsonl_data, tmp_path,
+                                                                monkeypatch):
+    out = _fit(tiny_model, jsonl_data, "all", tmp_path, monkeypatch, "--algo", algo)
+    assert out.returncode == 2, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("esrl: error:")]
+    assert errors == [f"esrl: error: step 0: reward function flaky gave non-finite rewards (NaN/inf) to {unit}, "
+                      "more than the 50% allowed (at least " + ("2" if algo == "es" else "1")
+                      + " must be usable); stopped before the update"], out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+    assert not list(tmp_path.rglob("final"))
