@@ -95,3 +95,39 @@ def test_seed_log_of_a_paper_run_is_under_one_megabyte():
     from esrl.es.seed_log import bytes_per_iteration
 
     assert 1000 * bytes_per_iteration(30) < 1_000_000
+
+
+def test_export_checks_the_base_and_rebuilds_steps_before_a_torn_line(tiny_model, reference_run, tmp_path, capsys):
+    """Another --base is refused in one line (the header's fingerprint); a torn last line (a run killed mid-write)
+    still lets every earlier step be rebuilt, and asking for all names the torn line; an old log without a
+    fingerprint exports with a warning."""
+    from esrl.errors import DataError
+    from esrl.export import export
+    from esrl.models import tiny_llama
+
+    log = reference_run.parent.parent / "seed_log.jsonl"
+    lines = log.read_text().splitlines()
+    other = tiny_llama(tmp_path / "other", seed=1)
+    out = run_esrl("export", "--seed-log", log, "--base", other, "--out", tmp_path / "wrong")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    (error,) = [line for line in out.stderr.splitlines() if "error" in line]
+    assert error.startswith(f"esrl export: error: --base {other}: not the base model of {log} (weights fingerprint ")
+    assert f"the log's {json.loads(lines[0])['base_fingerprint']}; the run started from {tiny_model})" in error
+    assert not (tmp_path / "wrong").exists()
+
+    torn = tmp_path / "torn.jsonl"
+    torn.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:40])  # the last record cut mid-write
+    rebuilt = load_safetensors(export(str(torn), str(tmp_path / "torn3"), tiny_model, STEPS - 1) / "model.safetensors")
+    assert_same_tensors(rebuilt, load_safetensors(
+        export(str(log), str(tmp_path / "log3"), tiny_model, STEPS - 1) / "model.safetensors"))
+    with pytest.raises(DataError, match=rf"torn.jsonl:{STEPS + 1}: invalid JSON .*; the first {STEPS - 1} iterations "
+                                        rf"are intact \(pass --step {STEPS - 1} or less\)$"):
+        export(str(torn), str(tmp_path / "all"), tiny_model)
+
+    old = tmp_path / "old.jsonl"
+    header = json.loads(lines[0])
+    del header["base_fingerprint"]
+    old.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
+    capsys.readouterr()
+    export(str(old), str(tmp_path / "old"), other, 1)
+    assert "records no base fingerprint (an older log): cannot check" in capsys.readouterr().err

@@ -3,18 +3,38 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
+from esrl.errors import DataError
+from esrl.es.fingerprint import weights_fingerprint
 from esrl.es.modes import get_mode
 from esrl.es.seed_log import read_seed_log, replay
 from esrl.models import load_causal_lm, load_tokenizer
 
 
+def check_base(model, base: str, header: dict, seed_log: str) -> None:
+    """The seeds only reproduce the run on the model it started from: another --base is refused in one line. Logs
+    written before the header carried a fingerprint are exported with a warning."""
+    expected = header.get("base_fingerprint")
+    if expected is None:
+        print(f"esrl export: warning: {seed_log} records no base fingerprint (an older log): cannot check that "
+              f"{base} is the run's base model", file=sys.stderr)
+        return
+    found = weights_fingerprint(model)
+    if found != expected:
+        raise DataError(f"--base {base}: not the base model of {seed_log} (weights fingerprint {found}, the log's "
+                        f"{expected}; the run started from {header['policy']['name_or_path']})")
+
+
 def export(seed_log: str, out: str, base: str | None = None, step: int | None = None) -> Path:
-    header, records = read_seed_log(seed_log)
+    """The weights after `step` logged iterations (default: all) saved under `out`; step K needs lines up to K
+    intact, whatever follows them."""
+    header, records = read_seed_log(seed_log, step)
     base = base or header["policy"]["name_or_path"]
     model = load_causal_lm(base, header["policy"]["dtype"])
-    model = replay(model, header, records, step)  # lora: the adapter-wrapped model
+    check_base(model, base, header, seed_log)
+    model = replay(model, header, records)  # lora: the adapter-wrapped model
     mode = get_mode(header["es"]["mode"])  # lora: out/adapter/ and the merged model in out/
     return mode.save_final(model, load_tokenizer(base), out)
 
@@ -27,6 +47,5 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="output folder (Hugging Face format)")
     args = parser.parse_args(argv)
     out = export(args.seed_log, args.out, args.base, args.step)
-    header, records = read_seed_log(args.seed_log)
-    step = len(records) if args.step is None else args.step
-    print(f"wrote {out} (step {step} of {len(records)}, {Path(args.seed_log).stat().st_size} bytes of seed log)")
+    _, records = read_seed_log(args.seed_log, args.step)
+    print(f"wrote {out} (step {len(records)}, {Path(args.seed_log).stat().st_size} bytes of seed log)")

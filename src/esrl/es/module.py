@@ -10,6 +10,7 @@ import torch
 from esrl.errors import ConfigError
 from esrl.es.config import ESConfig
 from esrl.es.engines import es_backend
+from esrl.es.fingerprint import weights_fingerprint
 from esrl.es.modes import get_mode
 from esrl.es.noise import population
 from esrl.es.population_hooks import member_chunks
@@ -46,12 +47,15 @@ class ESModule(PolicyModule):
         self.automatic_optimization = False
         self.selection = None
         self.backend = None  # esrl.es.engines: ES on this engine
+        self.base_fingerprint: str | None = None  # esrl.es.fingerprint of the loaded base, for the seed log
         self.seed_log_records: list[dict[str, Any]] = []
         self._bad_sources: set[str] = set()  # reward functions that gave non-finite values this iteration
 
     def configure_model(self) -> None:
         super().configure_model()
         if self.selection is None:
+            # Of the weights as loaded, before any update or checkpoint restore: `esrl export` checks its --base.
+            self.base_fingerprint = weights_fingerprint(self.policy)
             # lora: the policy becomes the PEFT model; the adapter is injected into the engine's model in place.
             self.policy = build_policy(self.policy, self.es, self.noise_seed)
             self.selection, self.noise_spec = build_selection(self.policy, self.es)
@@ -220,7 +224,8 @@ class ESModule(PolicyModule):
         # A resumed run rewrites the history restored from its checkpoint, so its log is complete.
         if self.trainer.is_global_zero:
             write_seed_log(self.run_dir() / "seed_log.jsonl",
-                           make_header(self.es, self.noise_seed, self.policy_config), self.seed_log_records)
+                           make_header(self.es, self.noise_seed, self.policy_config, self.base_fingerprint),
+                           self.seed_log_records)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)

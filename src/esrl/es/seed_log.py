@@ -2,7 +2,7 @@
 
 An ES update is a function of (iteration, noise seed, shaped fitness, alpha): the noise is regenerated
 from seeds, so a run's whole history fits in a few hundred bytes per iteration. Format: JSON lines; the
-first is a header (ES config, noise seed, policy), then one record per iteration
+first is a header (ES config, noise seed, policy, the base weights' fingerprint), then one record per iteration
 {"t", "alpha", "sigma", "z"} where z is the shaped fitness as base64 little-endian float64 (exact).
 Member seeds are not stored: they are population(noise_seed, t, N, antithetic), as in training.
 """
@@ -30,9 +30,13 @@ def decode_fitness(text: str) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(base64.b64decode(text), dtype="<f8").copy())
 
 
-def make_header(es_config, noise_seed: int, policy_config) -> dict[str, Any]:
-    return {"format": "esrl-seed-log/1", "es": asdict(es_config), "noise_seed": noise_seed,
-            "policy": asdict(policy_config)}
+def make_header(es_config, noise_seed: int, policy_config, base_fingerprint: str | None = None) -> dict[str, Any]:
+    """base_fingerprint: esrl.es.fingerprint of the base weights (logs written before it existed lack it)."""
+    header = {"format": "esrl-seed-log/1", "es": asdict(es_config), "noise_seed": noise_seed,
+              "policy": asdict(policy_config)}
+    if base_fingerprint is not None:
+        header["base_fingerprint"] = base_fingerprint
+    return header
 
 
 def make_record(iteration: int, shaped: torch.Tensor, alpha: float, sigma: float) -> dict[str, Any]:
@@ -52,23 +56,42 @@ def append_record(path: Path, record: dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def read_seed_log(path: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def _record(line: str, t: int) -> dict[str, Any] | str:
+    """The record of iteration t, or why the line is not one (torn by an interrupted write, or out of order)."""
+    try:
+        r = json.loads(line)
+    except json.JSONDecodeError as e:
+        return f"invalid JSON ({e.msg})"
+    if not isinstance(r, dict) or not {"t", "alpha", "sigma", "z"} <= r.keys():
+        return "not a seed log record"
+    if r["t"] != t:
+        return f"expected iteration {t}, found {r['t']}"
+    return r
+
+
+def read_seed_log(path: str | Path, steps: int | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The header and the first `steps` records (default: all). Only the lines needed are read, so a torn later
+    line (a run killed mid-write) does not stop the rebuild of an earlier step; a bad needed line names itself
+    and how many iterations before it are intact."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: seed log not found")
     lines = [line for line in path.read_text().splitlines() if line.strip()]
-    items = []
-    for i, line in enumerate(lines, start=1):
-        try:
-            items.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{i}: invalid JSON ({e.msg})") from None
-    if not items or items[0].get("format") != "esrl-seed-log/1":
+    try:
+        header = json.loads(lines[0]) if lines else None
+    except json.JSONDecodeError:
+        header = None
+    if not isinstance(header, dict) or header.get("format") != "esrl-seed-log/1":
         raise DataError(f"{path}:1: not an esrl seed log (no esrl-seed-log/1 header)")
-    header, records = items[0], items[1:]
-    for i, r in enumerate(records):
-        if r.get("t") != i:
-            raise DataError(f"{path}:{i + 2}: expected iteration {i}, found {r.get('t')} (log incomplete)")
+    wanted = len(lines) - 1 if steps is None else steps
+    if not 0 <= wanted <= len(lines) - 1:
+        raise DataError(f"{path}: seed log has {len(lines) - 1} iterations; cannot rebuild step {steps}")
+    records = []
+    for t, line in enumerate(lines[1:wanted + 1]):
+        r = _record(line, t)
+        if isinstance(r, str):
+            raise DataError(f"{path}:{t + 2}: {r}; the first {t} iterations are intact (pass --step {t} or less)")
+        records.append(r)
     return header, records
 
 
