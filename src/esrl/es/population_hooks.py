@@ -39,6 +39,7 @@ class PopulationHooks:
                         and torch.equal(self.row_member.cpu(), torch.arange(m).repeat_interleave(rows // m)))
         self.per_member = rows // m if member_major else 0  # rows per member on the grouped path, else 0
         self._handles: list = []
+        self._row_member_on: torch.Tensor | None = None  # row_member on the activations' device
 
     def __enter__(self):
         try:
@@ -61,7 +62,9 @@ class PopulationHooks:
         if x.shape[0] != self.row_member.numel():
             raise RuntimeError(f"population batch has {x.shape[0]} rows, the row -> member map "
                                f"{self.row_member.numel()}")
-        return self.row_member.to(x.device)
+        if self._row_member_on is None or self._row_member_on.device != x.device:
+            self._row_member_on = self.row_member.to(x.device)  # once per block, not per hooked call
+        return self._row_member_on
 
 
 def member_chunks(members: Sequence[Member], members_per_chunk: int) -> list[list[Member]]:
