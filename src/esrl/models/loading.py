@@ -9,12 +9,13 @@ take a second.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 
 import torch
 
-from esrl.errors import ModelNotFoundError
+from esrl.errors import DataError, ModelNotFoundError
 from esrl.models.cache import cache_dir, ensure
 
 # name -> (python package holding the file, GGUF file name)
@@ -63,6 +64,11 @@ def resolve_model_path(name_or_path: str) -> str:
     if path.exists():
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"model {name_or_path!r}: {path.resolve()} has no config.json")
+        config = (path / "config.json").resolve()
+        try:  # transformers would report a corrupt one as a hub id it cannot fetch
+            json.loads(config.read_bytes())
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+            raise DataError(f"model {name_or_path!r}: {config} is not valid JSON ({str(e).splitlines()[0]})") from None
         return str(path)
     looks_like_hub_id = name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/", "~"))
     if not looks_like_hub_id:
