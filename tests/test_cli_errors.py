@@ -18,6 +18,8 @@ def error_lines(out) -> list[str]:
     (["--model.es.population_size", "1"], "model.es.population_size"),
     (["--model.es.sigma", "0"], "model.es.sigma"),
     (["--model.es.sigma", "-0.1"], "model.es.sigma"),
+    (["--data.prompts_per_step", "3"],
+     "data.prompts_per_step: 3 prompts per step, but task 'conciseness' has only 2 training prompts"),
 ])
 def test_bad_config_exits_with_one_line(args, culprit, tiny_model):
     out = run_esrl("fit", "--config", DEMO, "--model.policy.name_or_path", tiny_model, *args)
@@ -56,4 +58,28 @@ def test_missing_optional_package_is_one_line_before_any_model_loads(module, arg
     assert out.returncode != 0
     lines = error_lines(out)
     assert len(lines) == 1 and command in lines[0] and "no-model" not in lines[0], out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+
+
+def test_yaml_syntax_error_names_the_file_line_and_column(tmp_path):
+    config = tmp_path / "broken.yaml"
+    config.write_text("model:\n  policy: {name_or_path: x\ntrainer:\n  max_steps: 2\n")
+    out = run_esrl("fit", "--config", config)
+    assert out.returncode == 2
+    assert error_lines(out) == [f"esrl: error: {config}:3:8: invalid YAML (did not find expected ',' or '}}', "
+                                "while parsing a flow mapping)"], out.stderr[-2000:]
+    assert "<unicode string>" not in out.stderr and "Traceback" not in out.stderr
+
+
+def test_corrupt_config_json_is_named_as_such(tiny_model, tmp_path):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    (model / "config.json").write_text('{"model_type": "llama",')
+    out = run_esrl("fit", "--config", DEMO, "--model.policy.name_or_path", model,
+                   "--trainer.default_root_dir", tmp_path)
+    assert out.returncode == 2
+    lines = error_lines(out)
+    assert len(lines) == 1 and f"{model / 'config.json'} is not valid JSON" in lines[0], out.stderr[-2000:]
     assert "Traceback" not in out.stderr

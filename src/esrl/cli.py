@@ -11,12 +11,19 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 import esrl.es.strategy  # noqa: F401  registers the `es` strategy
 from esrl.data import PromptDataModule
+from esrl.config_files import MODE as CONFIG_MODE
 from esrl.errors import EsrlError
 from esrl.module_factory import build_module
 from esrl.needs import check as check_needs
 
 
 class EsrlCLI(LightningCLI):
+    def init_parser(self, **kwargs):
+        """Every parser (main and subcommands) reads config files through esrl.config_files, so a YAML error
+        names its file."""
+        kwargs.setdefault("parser_mode", CONFIG_MODE)
+        return super().init_parser(**kwargs)
+
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--algo", choices=["es", "grpo"], default="es",
                             help="Optimizer family: es (evolution strategies) or grpo.")

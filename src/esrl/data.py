@@ -44,7 +44,9 @@ class PromptDataModule(L.LightningDataModule):
         Args:
             task: task name (conciseness, countdown, jsonl) or a 'module:function' returning a Task.
             task_args: the task builder's options (data paths, sizes, reward functions).
-            prompts_per_step: prompts per ES iteration / GRPO step (per process under GRPO data parallelism).
+            prompts_per_step: prompts per ES iteration / GRPO step (per process under GRPO data parallelism). At
+                most the number of training prompts (under GRPO, each process's share): a larger batch is refused,
+                never silently shrunk.
             eval_batch_size: prompts per evaluation batch.
             shuffle: shuffle training prompts each epoch (seeded, so runs repeat).
             seed: seed of the shuffling.
@@ -54,7 +56,11 @@ class PromptDataModule(L.LightningDataModule):
         require(eval_batch_size >= 1, "data.eval_batch_size", f"must be >= 1, got {eval_batch_size}")
         self.save_hyperparameters()
         self.task: Task = build_task(task, **(task_args or {}))
-        require(len(self.task.train_rows) > 0, "data.task", f"task {task!r} has no training rows")
+        n = len(self.task.train_rows)
+        require(n > 0, "data.task", f"task {task!r} has no training rows")
+        # A larger batch would silently shrink to the data set: say so before any model loads.
+        require(prompts_per_step <= n, "data.prompts_per_step",
+                f"{prompts_per_step} prompts per step, but task {task!r} has only {n} training prompts")
         self.prompts_per_step = prompts_per_step
         self.eval_batch_size = eval_batch_size
         self.shuffle = shuffle
@@ -67,7 +73,11 @@ class PromptDataModule(L.LightningDataModule):
         kwargs = {"num_replicas": 1, "rank": 0}
         if self.trainer is not None and self.trainer.distributed_sampler_kwargs:
             kwargs = {k: self.trainer.distributed_sampler_kwargs[k] for k in ("num_replicas", "rank")}
-        self._sampler = PromptSampler(len(self.task.train_rows), self.shuffle, self.seed, **kwargs)
+        n, replicas = len(self.task.train_rows), kwargs["num_replicas"]
+        require(self.prompts_per_step <= -(-n // replicas), "data.prompts_per_step",
+                f"{self.prompts_per_step} prompts per step and process, but {n} training prompts over {replicas} "
+                f"processes give each only {-(-n // replicas)}")
+        self._sampler = PromptSampler(n, self.shuffle, self.seed, **kwargs)
         if self._resume is not None:
             epoch, batches = self._resume
             self._sampler.resume_at = (epoch, batches * self.prompts_per_step)
