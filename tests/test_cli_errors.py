@@ -83,3 +83,40 @@ def test_corrupt_config_json_is_named_as_such(tiny_model, tmp_path):
     lines = error_lines(out)
     assert len(lines) == 1 and f"{model / 'config.json'} is not valid JSON" in lines[0], out.stderr[-2000:]
     assert "Traceback" not in out.stderr
+
+
+def _truncated_checkpoint(path):
+    import torch
+
+    torch.save({"state_dict": {"w": torch.arange(4096.0)}, "global_step": 3}, path)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # a copy or a save cut short
+    return path
+
+
+@pytest.mark.parametrize("make, problem", [
+    (lambda tmp: tmp / "absent.ckpt", "no such file"),
+    (lambda tmp: _truncated_checkpoint(tmp / "cut.ckpt"), "not a readable checkpoint, truncated or not written by torch.save"),
+])
+def test_bad_ckpt_path_is_one_line_naming_the_file(make, problem, tiny_model, tmp_path):
+    ckpt = make(tmp_path)
+    out = run_esrl("fit", "--config", DEMO, "--model.policy.name_or_path", tiny_model, "--ckpt_path", ckpt,
+                   "--trainer.default_root_dir", tmp_path)
+    assert out.returncode == 2
+    assert [line.split(" (")[0] for line in error_lines(out)] == [f"esrl: error: --ckpt_path {ckpt}: {problem}"], \
+        out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+
+
+def test_ckpt_check_accepts_real_checkpoints_and_refuses_garbage(tmp_path):
+    import torch
+
+    from esrl.checkpoints import check_ckpt_path
+    from esrl.errors import DataError
+
+    torch.save({"state_dict": {}}, tmp_path / "ok.ckpt")
+    (tmp_path / "deepspeed.ckpt").mkdir()  # DeepSpeed checkpoints are folders
+    for fine in (tmp_path / "ok.ckpt", tmp_path / "deepspeed.ckpt", "last", None):
+        check_ckpt_path(fine)
+    (tmp_path / "garbage.ckpt").write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(DataError, match="garbage.ckpt: not a readable checkpoint"):
+        check_ckpt_path(tmp_path / "garbage.ckpt")

@@ -10,6 +10,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 import esrl.es.strategy  # noqa: F401  registers the `es` strategy
+from esrl.checkpoints import check_ckpt_path
 from esrl.data import PromptDataModule
 from esrl.config_files import MODE as CONFIG_MODE
 from esrl.errors import EsrlError
@@ -23,6 +24,13 @@ class EsrlCLI(LightningCLI):
         names its file."""
         kwargs.setdefault("parser_mode", CONFIG_MODE)
         return super().init_parser(**kwargs)
+
+    def parse_arguments(self, parser, args) -> None:
+        """Then --ckpt_path checked (esrl.checkpoints), before LightningCLI reads its hyperparameters with
+        torch.load: a missing, truncated or garbage file is one line naming it."""
+        super().parse_arguments(parser, args)
+        if self.config.get("subcommand"):
+            check_ckpt_path(self.config[self.config.subcommand].get("ckpt_path"))
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--algo", choices=["es", "grpo"], default="es",

@@ -1,0 +1,37 @@
+"""`--ckpt_path` checked before any model loads, so a missing, truncated or garbage checkpoint is one line naming
+the file instead of a traceback from deep inside torch.load after minutes of model loading.
+
+The check is cheap whatever the checkpoint's size: torch.save writes a zip archive, and a zip's directory sits
+at its end, so reading the directory (not the tensors) finds a truncated file. Lightning's special values
+("last", "best", "hpc", "registry...") and remote URLs are left to Lightning; a DeepSpeed checkpoint is a folder.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+from esrl.errors import DataError
+
+_LIGHTNING_NAMES = ("last", "best", "hpc")
+
+
+def check_ckpt_path(ckpt_path: str | Path | None) -> None:
+    if ckpt_path is None:
+        return
+    text = str(ckpt_path)
+    if text in _LIGHTNING_NAMES or text.startswith("registry") or "://" in text:
+        return
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise DataError(f"--ckpt_path {text}: no such file")
+    if path.is_dir():  # a DeepSpeed checkpoint: Lightning reads its folder
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError) as e:
+        raise DataError(f"--ckpt_path {text}: not a readable checkpoint, truncated or not written by torch.save "
+                        f"({path.stat().st_size} bytes; {e})") from None
+    if not any(n.endswith("/data.pkl") or n == "data.pkl" for n in names):
+        raise DataError(f"--ckpt_path {text}: a zip archive but not a torch checkpoint (no data.pkl)")
