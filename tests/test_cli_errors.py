@@ -120,3 +120,12 @@ def test_ckpt_check_accepts_real_checkpoints_and_refuses_garbage(tmp_path):
     (tmp_path / "garbage.ckpt").write_bytes(bytes(range(256)) * 4)
     with pytest.raises(DataError, match="garbage.ckpt: not a readable checkpoint"):
         check_ckpt_path(tmp_path / "garbage.ckpt")
+
+
+def test_parser_error_is_one_line_and_a_help_hint(tmp_path):
+    out = run_esrl("fit", "--config", DEMO, "--trainer.max_steps", "abc", "--trainer.default_root_dir", tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-2:] == [
+        "esrl: error: Parser key \"trainer.max_steps\": Expected a <class 'int'>. Got value: abc",
+        "(`esrl fit --help` lists the options)"], out.stderr[-2000:]
+    assert "usage:" not in out.stderr and "Traceback" not in out.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 import warnings
 
@@ -15,14 +16,16 @@ from esrl.data import PromptDataModule
 from esrl.config_files import MODE as CONFIG_MODE
 from esrl.errors import EsrlError
 from esrl.module_factory import build_module
+from esrl.parser_errors import help_hint, one_line
 from esrl.needs import check as check_needs
 
 
 class EsrlCLI(LightningCLI):
     def init_parser(self, **kwargs):
         """Every parser (main and subcommands) reads config files through esrl.config_files, so a YAML error
-        names its file."""
+        names its file, and raise their errors for main() to print in one line."""
         kwargs.setdefault("parser_mode", CONFIG_MODE)
+        kwargs.setdefault("exit_on_error", False)  # main() prints parser errors as one line (esrl.parser_errors)
         return super().init_parser(**kwargs)
 
     def parse_arguments(self, parser, args) -> None:
@@ -104,6 +107,10 @@ def main(args: list[str] | None = None) -> None:
         )
     except EsrlError as e:
         print(f"esrl: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except argparse.ArgumentError as e:
+        print(f"esrl: error: {one_line(e.message if hasattr(e, 'message') else e)}\n"
+              f"(`{help_hint(argv)}` lists the options)", file=sys.stderr)
         raise SystemExit(2) from None
 
 

@@ -1,0 +1,24 @@
+"""Command-line errors as one line and a hint, not ~60 lines of usage above the message.
+
+jsonargparse raises (instead of printing usage and exiting) when its parsers are built with exit_on_error=False
+(EsrlCLI.init_parser); esrl.cli.main prints `esrl: error: <the message on one line>` and where the options are.
+Nested messages (a bad key inside a Union of config classes) keep their informative lines, joined.
+"""
+
+from __future__ import annotations
+
+import re
+
+_NOISE = re.compile(r"^(Does not validate against any of the Union subtypes|Subtypes:|Errors:|Given value type:|"
+                    r"- Expected a <class 'NoneType'>|Given value: NestedArg)")
+
+
+def one_line(message: str) -> str:
+    lines = [line.strip() for line in str(message).splitlines()]
+    kept = [line.removeprefix("- ") for line in lines if line and not _NOISE.match(line)]
+    return " ".join(kept) or str(message).strip()
+
+
+def help_hint(argv: list[str]) -> str:
+    command = next((a for a in argv if not a.startswith("-")), None)
+    return f"esrl {command} --help" if command in ("fit", "validate", "test", "predict") else "esrl --help"
