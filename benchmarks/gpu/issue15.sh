@@ -3,11 +3,11 @@
 # floor, lowrank, lora, a single member's generate and full mode), then configs/es_conciseness.yaml end to end.
 # Steps run in order of priority, each under its own time limit; everything lands in $OUT.
 #
-#   device run (carry .whl .gpu):  bash benchmarks/gpu/issue15.sh [steps]      steps: tests,bench1,bench2,e2e
+#   device run (carry .whl .gpu):  bash benchmarks/gpu/issue15.sh [steps]   steps: profile,tests,bench1,bench2,e2e
 # .whl holds the wheels the GPU image lacks (jsonargparse, docstring-parser, typeshed-client); .gpu/tok the
 # embedded model's config and tokenizer files (no weights).
 set -uo pipefail
-STEPS=${1:-tests,bench1,bench2,e2e}
+STEPS=${1:-profile,tests,bench1,bench2,e2e}
 OUT=${OUT:-/tmp/esrl_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
@@ -17,6 +17,9 @@ python3 -c "import torch, transformers, lightning; print('torch', torch.__versio
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
 BENCH="--model random:qwen2.5-1.5b --device cuda --prompts 8 --new-tokens 256 --members 30 --tokenizer $PWD/.gpu/tok"
 
+if has profile; then
+  timeout 150 python3 benchmarks/gpu/decode_profile.py 2>&1 | grep -v -i warn | tee "$OUT/decode_profile.log"
+fi
 if has tests; then
   timeout 240 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -x 2>&1 | grep -v -i warn | tee "$OUT/gpu_tests.log" | tail -15
 fi

@@ -11,6 +11,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from esrl.rollout.base import Completion, EngineCapabilities, RolloutEngine, RowWeights
+from esrl.rollout.static_decode import DecodeKey, StaticDecoder, module_context, supports_static_decode
 from esrl.rollout.text import cut_at_stop, render_prompts
 from esrl.tasks.base import Prompt
 
@@ -38,7 +39,8 @@ class HFEngine(RolloutEngine):
         self.prompt_bucket = prompt_bucket
         self.compile_log: list[tuple[tuple[int, int, int], float]] = []
         """((rows, padded prompt tokens, new tokens), seconds of the first call) of every compiled shape."""
-        self._compile_config = None
+        self.max_shapes = 4
+        self._decoders: dict[DecodeKey, StaticDecoder] = {}  # the recorded decode steps, least recently used first
 
     def compile_times(self) -> list[tuple[tuple[int, int, int], float]]:
         return list(self.compile_log)
@@ -83,35 +85,54 @@ class HFEngine(RolloutEngine):
                                         min_new_tokens)
         return [flat[i * n_prompts:(i + 1) * n_prompts] for i in range(num_members)]
 
-    def _static_kwargs(self) -> dict:
-        """transformers' static KV cache with its compiled decode step (CUDA graphs on GPUs)."""
-        if self._compile_config is None:
-            from transformers import CompileConfig
-
-            cuda = self.model.device.type == "cuda"
-            self._compile_config = CompileConfig(fullgraph=False, dynamic=False,
-                                                 mode="reduce-overhead" if cuda else "default")
-            self._compile_config._compile_all_devices = True  # compile: on asks for it on a CPU too
-            # One graph per (rows, prompt bucket) shape: evaluation, GRPO and ES populations need a few, more than
-            # torch's default of 8 recompiles before it falls back to eager for good.
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            # A graph traced before forward hooks were added must not run without them (torch's default skips
-            # hook guards): per-row hooks (ES populations) then trigger one recompile, never a silent no-op.
-            torch._dynamo.config.skip_nnmodule_hook_guards = False
-        return dict(cache_implementation="static", compile_config=self._compile_config)
+    def _decoder(self, rows: int, prompt_len: int, new_tokens: int, greedy: bool, top_p: float) -> StaticDecoder:
+        """The StaticDecoder of this shape and sampling kind, recorded anew if hooks or weight storage changed."""
+        key = DecodeKey(rows, prompt_len, new_tokens, not greedy, not greedy and top_p < 1.0,
+                        module_context(self.model))
+        decoder = self._decoders.pop(key, None)
+        if decoder is None:
+            stale = [k for k in self._decoders if k.context != key.context]
+            for k in stale:  # their graphs read hooks or weights that are gone
+                del self._decoders[k]
+            while len(self._decoders) >= self.max_shapes:
+                del self._decoders[next(iter(self._decoders))]  # least recently used
+            decoder = StaticDecoder(self.model, key, eos_token_ids=[self.tokenizer.eos_token_id],
+                                    pad_token_id=self.tokenizer.pad_token_id,
+                                    attention=rollout_attention)
+        self._decoders[key] = decoder
+        return decoder
 
     def _generate_chunk(self, texts, max_new_tokens, greedy, temperature, top_p, stop, n,
                         min_new_tokens=None) -> list[Completion]:
         tok = self.tokenizer
-        compiled = self.compiled
+        compiled = self.compiled and supports_static_decode(self.model)
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False,
                   pad_to_multiple_of=self.prompt_bucket if compiled else None).to(self.model.device)
+        was_training = self.model.training
+        self.model.eval()
+        start = time.perf_counter()
+        try:
+            if compiled:
+                ids, mask = enc["input_ids"], enc["attention_mask"]
+                if n > 1:
+                    ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
+                shape = (ids.shape[0], ids.shape[1], max_new_tokens)
+                decoder = self._decoder(*shape, greedy, top_p)
+                first = decoder.graph is None and decoder.graphs
+                new = decoder.generate(ids, mask, temperature=temperature, top_p=top_p,
+                                       min_new_tokens=min_new_tokens or 0).tolist()
+                if first:
+                    self.compile_log.append((shape, time.perf_counter() - start))
+            else:
+                new = self._hf_generate(enc, max_new_tokens, greedy, temperature, top_p, stop, n, min_new_tokens)
+        finally:
+            self.model.train(was_training)
+        return [self._completion(ids, stop, max_new_tokens) for ids in new]
+
+    def _hf_generate(self, enc, max_new_tokens, greedy, temperature, top_p, stop, n, min_new_tokens) -> list:
+        tok = self.tokenizer
         kwargs = dict(max_new_tokens=max_new_tokens, num_return_sequences=n, pad_token_id=tok.pad_token_id,
                       eos_token_id=tok.eos_token_id)
-        if compiled:
-            kwargs.update(self._static_kwargs())
-            shape = (len(texts) * n, enc["input_ids"].shape[1], max_new_tokens)
-            first = shape not in {s for s, _ in self.compile_log}
         if min_new_tokens:
             kwargs["min_new_tokens"] = min_new_tokens
         if greedy:
@@ -120,18 +141,9 @@ class HFEngine(RolloutEngine):
             kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
         if stop:
             kwargs.update(stop_strings=stop, tokenizer=tok)
-        was_training = self.model.training
-        self.model.eval()
-        start = time.perf_counter()
-        try:
-            with rollout_attention(self.model.device):
-                seqs = self.model.generate(**enc, **kwargs)
-        finally:
-            self.model.train(was_training)
-        if compiled and first:
-            self.compile_log.append((shape, time.perf_counter() - start))
-        new = seqs[:, enc["input_ids"].shape[1]:].tolist()
-        return [self._completion(ids, stop, max_new_tokens) for ids in new]
+        with rollout_attention(self.model.device):
+            seqs = self.model.generate(**enc, **kwargs)
+        return seqs[:, enc["input_ids"].shape[1]:].tolist()
 
     def _completion(self, ids: list[int], stop: Sequence[str], max_new_tokens: int) -> Completion:
         tok = self.tokenizer
@@ -141,6 +153,24 @@ class HFEngine(RolloutEngine):
             ended = True
         elif tok.pad_token_id is not None and tok.pad_token_id in ids:  # finished by a stop string
             ids = ids[: ids.index(tok.pad_token_id)]
+        if stop and not ended:
+            ids = first_stop_prefix(tok, ids, stop)
         text = tok.decode(ids, skip_special_tokens=True)
         text, stopped = cut_at_stop(text, stop)
         return Completion(text=text, token_ids=ids, truncated=not (ended or stopped) and len(ids) >= max_new_tokens)
+
+
+def first_stop_prefix(tokenizer, ids: list[int], stop: Sequence[str]) -> list[int]:
+    """The shortest prefix of `ids` whose text holds a stop string (all of `ids` if none does): where transformers'
+    stop_strings would have ended the row. The static decoder keeps decoding such rows, so their ids are cut here."""
+    def stops(k: int) -> bool:
+        text = tokenizer.decode(ids[:k], skip_special_tokens=True)
+        return any(s in text for s in stop)
+
+    if not ids or not stops(len(ids)):
+        return ids
+    lo, hi = 1, len(ids)  # stops(hi) holds; text only grows with k
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if stops(mid) else (mid + 1, hi)
+    return ids[:hi]

@@ -1,0 +1,168 @@
+"""Static-cache decoding with one recorded decode step: the compiled path of the HF engine.
+
+transformers' generate runs its Python (model, ~15 calls per layer, logits processors, stopping criteria) for every
+token and waits for the GPU after each one, so decoding a 1.5B model is launch-bound: the GPU idled ~75% of a
+profiled ES rollout (issue 15). Here a generation shape (rows, padded prompt length, new tokens, sampling kind) gets
+its own transformers StaticCache and state buffers. The prompt is prefilled by the model's own forward; one decode
+step (forward of the last token, EOS and min-length masking, the next-token choice, position and mask advance) is
+recorded once as a CUDA graph and then replayed per token: no Python per layer, no host sync except a finished-check
+every `check_every` tokens. Forward hooks present when the step is recorded (an ES population reading persistent
+buffers, esrl.es.static_population) are part of the graph; a change of hooks or parameter storage records anew.
+Without CUDA the same step runs eagerly: the CPU tests check it token for token against transformers' generate.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class DecodeKey:
+    """What a recorded step depends on: shapes, sampling kind, and the identity of hooks and weights it read."""
+
+    rows: int
+    prompt_len: int
+    new_tokens: int
+    sampled: bool
+    top_p: bool
+    context: tuple
+
+
+def supports_static_decode(model) -> bool:
+    """Full-attention decoder models only (no sliding-window layers): the step passes one 4D padding mask."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    types = getattr(config, "layer_types", None) or []
+    return all(t == "full_attention" for t in types) and not getattr(config, "use_sliding_window", False)
+
+
+def module_context(model) -> tuple:
+    """Identity of what a recorded graph bakes in: every forward hook and every parameter's storage."""
+    hooks = tuple((id(m), tuple(m._forward_hooks), tuple(m._forward_pre_hooks)) for m in model.modules()
+                  if m._forward_hooks or m._forward_pre_hooks)
+    return hooks, tuple(p.data_ptr() for p in model.parameters())
+
+
+class StaticDecoder:
+    """Decodes batches of one shape: prefill with the model's forward, then a recorded step per token."""
+
+    def __init__(self, model, key: DecodeKey, *, eos_token_ids: list[int], pad_token_id: int,
+                 attention: Callable, check_every: int = 32):
+        from transformers import StaticCache
+
+        self.model, self.key, self.attention, self.check_every = model, key, attention, check_every
+        device = model.device
+        self.graphs = device.type == "cuda"
+        length = key.prompt_len + key.new_tokens
+        self.cache = StaticCache(config=model.config, max_cache_len=length)
+        self.pass_cache_position = "cache_position" in inspect.signature(model.forward).parameters
+        long = dict(dtype=torch.long, device=device)
+        self.eos = torch.tensor(eos_token_ids, **long)
+        self.pad = pad_token_id
+        self.mask = torch.zeros(key.rows, 1, 1, length, dtype=torch.bool, device=device)
+        self.tokens = torch.full((key.rows, key.new_tokens), pad_token_id, **long)
+        self.last = torch.zeros(key.rows, 1, **long)  # the token fed to the next step
+        self.position = torch.zeros(key.rows, 1, **long)
+        self.slot = torch.zeros(1, **long)  # cache slot of the token fed to the next step
+        self.step_index = torch.zeros(1, **long)  # which new token the next step chooses
+        self.finished = torch.zeros(key.rows, dtype=torch.bool, device=device)
+        self.min_new = torch.zeros((), **long)
+        self.temperature = torch.ones((), dtype=torch.float32, device=device)
+        self.top_p = torch.ones((), dtype=torch.float32, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.record_seconds: float | None = None
+
+    # -- one token ----------------------------------------------------------------------------------------------
+    def _choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next token from fp32 logits, as transformers' greedy/sampling with min_new_tokens and top_p."""
+        eos_logits = logits.index_select(1, self.eos)
+        blocked = (self.step_index < self.min_new).expand_as(eos_logits)
+        logits = logits.index_copy(1, self.eos, torch.where(blocked, float("-inf"), eos_logits))
+        if not self.key.sampled:
+            return logits.argmax(-1)
+        scores = logits / self.temperature
+        if self.key.top_p:  # transformers' TopPLogitsWarper: drop the low tail holding 1 - top_p, keep >= 1 token
+            ordered, order = scores.sort(descending=False)
+            tail = ordered.softmax(-1).cumsum(-1) <= (1 - self.top_p)
+            tail[:, -1] = False
+            scores = scores.masked_fill(tail.scatter(1, order, tail), float("-inf"))
+        probs = scores.softmax(-1)
+        return (probs / torch.empty_like(probs).exponential_()).argmax(-1)  # a draw from probs, graph-safe
+
+    def _forward(self, **inputs) -> torch.Tensor:
+        if self.pass_cache_position:
+            inputs["cache_position"] = self.slot
+        return self.model(**inputs, past_key_values=self.cache, use_cache=True).logits[:, -1, :].float()
+
+    def _advance(self, logits: torch.Tensor) -> None:
+        token = torch.where(self.finished, self.pad, self._choose(logits))
+        self.tokens.index_copy_(1, self.step_index, token[:, None])
+        self.finished |= torch.isin(token, self.eos)
+        self.last.copy_(token[:, None])
+        self.step_index += 1
+
+    def _step(self) -> None:
+        self.mask.index_fill_(3, self.slot, True)
+        logits = self._forward(input_ids=self.last, position_ids=self.position, attention_mask=self.mask)
+        self._advance(logits)
+        self.position += 1
+        self.slot += 1
+
+    # -- one batch ----------------------------------------------------------------------------------------------
+    def _prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        self.cache.reset()
+        p = self.key.prompt_len
+        position = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position)
+        if self.pass_cache_position:
+            inputs["cache_position"] = torch.arange(p, device=input_ids.device)
+        logits = self.model(**inputs, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits
+        self.mask.zero_()
+        self.mask[:, 0, 0, :p] = attention_mask.bool()
+        self.tokens.fill_(self.pad)
+        self.finished.zero_()
+        self.step_index.zero_()
+        self._advance(logits[:, -1, :].float())
+        self.position.copy_(position[:, -1:] + 1)
+        self.slot.fill_(p)
+
+    def _record(self) -> None:
+        """Run one step eagerly on a side stream (warm-up: handles, workspaces), then record the next one."""
+        start = time.perf_counter()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._step()
+        self.graph = graph
+        self.record_seconds = time.perf_counter() - start
+
+    @torch.inference_mode()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float = 1.0,
+                 top_p: float = 1.0, min_new_tokens: int = 0) -> torch.Tensor:
+        """(rows, new_tokens) token ids, pad after EOS; a fresh generation on the same buffers every call."""
+        self.temperature.fill_(temperature)
+        self.top_p.fill_(top_p)
+        self.min_new.fill_(min_new_tokens or 0)
+        with self.attention(self.model.device):
+            self._prefill(input_ids, attention_mask)
+            done = 1
+            if self.graph is None and self.graphs and done < self.key.new_tokens:
+                self._record()  # its warm-up step is a real step
+                done += 1
+            while done < self.key.new_tokens:
+                if self.graph is not None:
+                    self.graph.replay()
+                else:
+                    self._step()
+                done += 1
+                if done % self.check_every == 0 and bool(self.finished.all()):
+                    break
+        return self.tokens.clone()
