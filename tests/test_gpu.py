@@ -92,29 +92,38 @@ def test_perturb_then_restore_is_bit_exact_in_bf16(qwen, scaling):
 
 
 def test_batched_lowrank_equals_member_by_member_within_bf16(qwen):
-    """Logits of the hooked batch against each member's weights written in (bf16): the two differ by the bf16
-    rounding of W + dW (1.75e-2 relative, measured on an H100), far less than the perturbation itself moves them."""
+    """The hooked bf16 batch is as close to the exact answer (each member's weights written into an fp32 copy of the
+    model) as bf16 member-by-member is: writing W + dW in bf16 rounds it, the hooks add the term in bf16 instead.
+    (A direct batched-vs-member bound failed at 1e-2 on an H100: both sides carry bf16 error.)"""
     from esrl.es import Perturber, get_mode, population
     from esrl.es.config import ESConfig
     from esrl.es.setup import build_selection
     from esrl.models import load_causal_lm, load_tokenizer
 
+    cfg = ESConfig(mode="lowrank", sigma=0.05, rank=2)
     model, tok = load_causal_lm(qwen, "bfloat16").cuda(), load_tokenizer(qwen)
-    selection, spec = build_selection(model, ESConfig(mode="lowrank", sigma=0.05, rank=2))
+    exact_model = load_causal_lm(qwen, "float32").cuda()
+    selection, spec = build_selection(model, cfg)
+    exact_selection, _ = build_selection(exact_model, cfg)
     members = population(4, 0, 3)
     enc = tok(PROMPTS * len(members), return_tensors="pt", padding=True).to("cuda")
     rows = torch.arange(len(members)).repeat_interleave(len(PROMPTS))
     with torch.no_grad():
-        base = model(**enc).logits.float()
+        base = exact_model(**enc).logits
         with get_mode("lowrank").population(model, selection, spec, members, rows):
             batched = model(**enc).logits.float()
-        perturber = Perturber(selection, spec)
+        perturber, exact_perturber = Perturber(selection, spec), Perturber(exact_selection, spec)
         for i, m in enumerate(members):
+            part = {k: v[i * 2:(i + 1) * 2] for k, v in enc.items()}
             with perturber.perturbed(m):
-                single = model(**{k: v[i * 2:(i + 1) * 2] for k, v in enc.items()}).logits.float()
-            got, unperturbed = batched[i * 2:(i + 1) * 2], base[i * 2:(i + 1) * 2]
-            error, effect = (got - single).norm(), (single - unperturbed).norm()
-            assert error / single.norm() <= 5e-2 and error <= 0.1 * effect, (error, effect)
+                single = model(**part).logits.float()
+            with exact_perturber.perturbed(m):
+                exact = exact_model(**part).logits
+            got = batched[i * 2:(i + 1) * 2]
+            error, single_error = (got - exact).norm(), (single - exact).norm()
+            effect = (exact - base[i * 2:(i + 1) * 2]).norm()
+            assert error <= max(2 * single_error, 1e-2 * exact.norm()) and error <= 0.1 * effect, \
+                (float(error), float(single_error), float(effect), float(exact.norm()))
 
 
 def test_compiled_and_eager_engines_give_the_same_greedy_tokens_in_fp32(tmp_path):

@@ -82,12 +82,14 @@ class HFEngine(RolloutEngine):
         row_member = torch.arange(num_members).repeat_interleave(n_prompts)
         with row_weights(row_member):
             flat = self._generate_chunk(texts * num_members, max_new_tokens, True, 1.0, 1.0, list(stop), 1,
-                                        min_new_tokens)
+                                        min_new_tokens, population=True)
         return [flat[i * n_prompts:(i + 1) * n_prompts] for i in range(num_members)]
 
-    def _decoder(self, rows: int, prompt_len: int, new_tokens: int, greedy: bool, top_p: float) -> StaticDecoder:
-        """The StaticDecoder of this shape and sampling kind, recorded anew if hooks or weight storage changed."""
-        key = DecodeKey(rows, prompt_len, new_tokens, not greedy, not greedy and top_p < 1.0,
+    def _decoder(self, rows: int, prompt_len: int, new_tokens: int, greedy: bool, top_p: float,
+                 population: bool) -> StaticDecoder:
+        """The StaticDecoder of this shape and sampling kind, recorded anew if hooks or weight storage changed
+        (a population's hooks act only inside generate_population, so its steps are recorded apart)."""
+        key = DecodeKey(rows, prompt_len, new_tokens, not greedy, not greedy and top_p < 1.0, population,
                         module_context(self.model))
         decoder = self._decoders.pop(key, None)
         if decoder is None:
@@ -103,7 +105,7 @@ class HFEngine(RolloutEngine):
         return decoder
 
     def _generate_chunk(self, texts, max_new_tokens, greedy, temperature, top_p, stop, n,
-                        min_new_tokens=None) -> list[Completion]:
+                        min_new_tokens=None, population=False) -> list[Completion]:
         tok = self.tokenizer
         compiled = self.compiled and supports_static_decode(self.model)
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False,
@@ -117,7 +119,7 @@ class HFEngine(RolloutEngine):
                 if n > 1:
                     ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
                 shape = (ids.shape[0], ids.shape[1], max_new_tokens)
-                decoder = self._decoder(*shape, greedy, top_p)
+                decoder = self._decoder(*shape, greedy, top_p, population)
                 first = decoder.graph is None and decoder.graphs
                 new = decoder.generate(ids, mask, temperature=temperature, top_p=top_p,
                                        min_new_tokens=min_new_tokens or 0).tolist()
