@@ -27,12 +27,14 @@ plain generate (`policy_adapter`) and each member is its perturbed copy of that 
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
 from esrl.errors import ConfigError, require
+from esrl.es.lowrank_kernel import lowrank_add_
 from esrl.es.modes.base import Adapter, NoiseMode
 from esrl.es.noise import gaussian, generator_on, member_weight, tensor_scale
 from esrl.es.params import ParamSelection, linear_weight_only, param_owners
@@ -206,29 +208,33 @@ def lora_adapters(model: torch.nn.Module, selection: ParamSelection | None = Non
 
 
 class StaticLora(StaticPopulation):
-    """lora for compiled decoding: per adapter Linear (PEFT's lora_A / lora_B) the members' weights (M, out, in)
-    in a persistent buffer; the hook replaces the module's output by each member's x W_i^T (one bmm)."""
+    """lora for compiled decoding: PEFT's own adapter path is switched off (PeftModel.disable_adapter) and a hook on
+    each LoRA layer's base Linear adds the row's member adapter, (x A_i^T) (scaling B_i)^T, from persistent buffers
+    (A_i (M, r, in), scaling B_i^T (M, r, out)): one esrl.es.lowrank_kernel launch per adapted linear on a GPU,
+    instead of PEFT's adapter GEMMs plus per-member ones that replaced their outputs."""
 
     def _targets(self):
-        owners = param_owners(self.model)
-        targets = []
-        for _, name, p in self.selection:
-            if not linear_weight_only(owners[id(p)]) or any(m.bias is not None for m, _ in owners[id(p)]):
-                raise ValueError(f"lora population batching perturbs bias-free nn.Linear weights only, not {name}")
-            targets += [(name, module) for module, _ in owners[id(p)]]
-        return targets
+        from peft.tuners.lora import LoraLayer
+
+        return [(name.removeprefix("base_model.model."), module.base_layer) for name, module in
+                self.model.named_modules() if isinstance(module, LoraLayer) and "default" in module.lora_A]
 
     def _fill(self, members):
-        filled, generator = {}, None
-        for j, name, p in self.selection:
-            generator = generator_on(p.device, generator)
-            filled[name] = (_member_weights(members, j, p, self.spec, generator),)
-        return filled
+        adapters = lora_adapters(self.model, self.selection, self.spec, members)
+        return {name: (torch.stack([adapter[name][1] for adapter in adapters]).transpose(1, 2),
+                       torch.stack([adapter[name][0] for adapter in adapters]))
+                for name in adapters[0]}
+
+    @contextmanager
+    def population(self, row_member: torch.Tensor) -> Iterator[None]:
+        with self.model.disable_adapter(), super().population(row_member):
+            yield
 
     def _apply(self, buffers, x, out):
-        weights = buffers[0]
-        y = torch.bmm(x.reshape(weights.shape[0], -1, x.shape[-1]), weights.transpose(1, 2)).view(out.shape)
-        return y
+        a_t, b_t = buffers
+        m = a_t.shape[0]
+        lowrank_add_(out.view(m, -1, out.shape[-1]), x.reshape(m, -1, x.shape[-1]), a_t, b_t)
+        return out
 
 
 def save_final(policy: torch.nn.Module, tokenizer, out: str | Path) -> Path:

@@ -26,6 +26,7 @@ from typing import Sequence
 import torch
 
 from esrl.errors import ConfigError, require
+from esrl.es.lowrank_kernel import lowrank_add_
 from esrl.es.modes.base import Adapter, NoiseMode
 from esrl.es.noise import (Member, NoiseSpec, gaussian, generator_on, lowrank_direction, lowrank_factors,
                            lowrank_gradient, member_weight, scaled_factor, tensor_scale)
@@ -128,19 +129,9 @@ def lowrank_selection(model: torch.nn.Module, selection: ParamSelection, spec: N
     return out
 
 
-def grouped_lowrank_(ys: torch.Tensor, xs: torch.Tensor, a_t: torch.Tensor, b: torch.Tensor,
-                     b_row: torch.Tensor | None) -> None:
-    """ys (M, n, out) += (xs (M, n, in) B) A^T in place, member by member: one grouped op per layer. Rank 1
-    (b_row (M, 1, in)): two elementwise kernels beat tiny batched GEMMs 2-4x on CPU."""
-    if b_row is not None:
-        ys.addcmul_((xs * b_row).sum(-1, keepdim=True), a_t)
-    else:
-        ys.baddbmm_(torch.bmm(xs, b), a_t)
-
-
 class StaticLowRank(StaticPopulation):
-    """lowrank for compiled decoding: per hooked Linear, A^T (M, r, out), B (M, in, r) and, for rank 1, B^T
-    (M, 1, in) in persistent buffers."""
+    """lowrank for compiled decoding: per hooked Linear, A^T (M, r, out) and B^T (M, r, in) in persistent buffers,
+    applied by esrl.es.lowrank_kernel (one kernel per linear on a GPU)."""
 
     def _targets(self):
         owners = param_owners(self.model)
@@ -151,14 +142,13 @@ class StaticLowRank(StaticPopulation):
         for j, name, p in self.selection:
             generator = generator_on(p.device, generator)
             a, b = _member_factors(members, j, p, self.spec, generator)
-            filled[name] = (a.transpose(1, 2), b) + ((b.transpose(1, 2),) if self.spec.rank == 1 else ())
+            filled[name] = (a.transpose(1, 2), b.transpose(1, 2))
         return filled
 
     def _apply(self, buffers, x, out):
-        a_t, b = buffers[0], buffers[1]
+        a_t, b_t = buffers
         m = a_t.shape[0]
-        grouped_lowrank_(out.view(m, -1, out.shape[-1]), x.reshape(m, -1, x.shape[-1]), a_t, b,
-                         buffers[2] if len(buffers) > 2 else None)
+        lowrank_add_(out.view(m, -1, out.shape[-1]), x.reshape(m, -1, x.shape[-1]), a_t, b_t)
         return out
 
 
@@ -218,7 +208,7 @@ class PopulationPerturbation(PopulationHooks):
     def _linear_hook(self, factors: dict[str, torch.Tensor]):
         a, b, bias = factors.get("A"), factors.get("B"), factors.get("bias")
         a_t = a.transpose(1, 2).contiguous() if a is not None else None  # (M, r, out)
-        b_row = b.transpose(1, 2).contiguous() if a is not None and a.shape[-1] == 1 else None  # (M, 1, in)
+        b_t = b.transpose(1, 2).contiguous() if a is not None else None  # (M, r, in)
 
         def hook(module, args, out):
             x = args[0]
@@ -229,7 +219,7 @@ class PopulationPerturbation(PopulationHooks):
                     # (M, P * seq, in) @ (M, in, r), then one fused out += (x B) A^T in place: no per-row
                     # copies and no (rows, seq, out) temporary (the decode loop runs this 100s of times).
                     m = a_t.shape[0]
-                    grouped_lowrank_(out.view(m, -1, out.shape[-1]), x.reshape(m, -1, x.shape[-1]), a_t, b, b_row)
+                    lowrank_add_(out.view(m, -1, out.shape[-1]), x.reshape(m, -1, x.shape[-1]), a_t, b_t)
                 else:
                     xs = x.reshape(rows, -1, x.shape[-1])
                     delta = torch.bmm(torch.bmm(xs, b[idx]), a_t[idx])  # (rows, seq, out)
