@@ -21,14 +21,14 @@ if has profile; then
   timeout 150 python3 benchmarks/gpu/decode_profile.py 2>&1 | grep -v -i warn | tee "$OUT/decode_profile.log"
 fi
 if has tests; then
-  timeout 240 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -x 2>&1 | grep -v -i warn | tee "$OUT/gpu_tests.log" | tail -15
+  timeout 240 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | grep -v -i warn | tee "$OUT/gpu_tests.log" | tail -15
 fi
 if has bench1; then
   (cd benchmarks && timeout 60 python3 es_throughput.py $BENCH --modes floor --compile off --repeats 2 2>&1 | grep '^{' | tee "$OUT/bench_eager.jsonl")
   (cd benchmarks && timeout 200 python3 es_throughput.py $BENCH --modes floor,lowrank --compile on --repeats 2 2>&1 | grep '^{' | tee "$OUT/bench_compiled1.jsonl")
 fi
 if has bench2; then
-  (cd benchmarks && timeout 240 python3 es_throughput.py $BENCH --modes lora,single,full --compile on --repeats 2 --full-members 3 2>&1 | grep '^{' | tee "$OUT/bench_compiled2.jsonl")
+  (cd benchmarks && timeout 240 python3 es_throughput.py $BENCH --modes lora,single,full --compile on --repeats 2 --full-members 3 2>&1 | tee "$OUT/bench_compiled2.log" | grep '^{')
 fi
 if has e2e; then
   python3 - <<'PY'
@@ -46,11 +46,13 @@ if not os.path.exists(out + "/config.json"):
 PY
   for mode in ${E2E_MODES:-lowrank full}; do
     steps=${E2E_STEPS:-3}; [ $mode = full ] && steps=1
-    timeout 200 python3 -m esrl.cli fit --config configs/es_conciseness.yaml --model.policy.name_or_path /tmp/qwen15b \
+    prof=""; [ -n "${E2E_PROFILE:-}" ] && prof="-m cProfile -o $OUT/e2e_$mode.prof"
+    timeout 200 python3 $prof -m esrl.cli fit --config configs/es_conciseness.yaml --model.policy.name_or_path /tmp/qwen15b \
       --model.es.mode $mode --trainer.max_steps $steps --trainer.default_root_dir /tmp/e2e_$mode \
       --trainer.enable_progress_bar false 2>&1 | grep -v -i warn | tail -6
     f=$(ls /tmp/e2e_$mode/lightning_logs/version_*/metrics.csv 2>/dev/null | head -1)
     [ -n "$f" ] && cp "$f" "$OUT/e2e_${mode}_metrics.csv"
+    [ -n "$prof" ] && python3 -c "import pstats; pstats.Stats('$OUT/e2e_$mode.prof').sort_stats('tottime').print_stats(25)" | tail -40
   done
 fi
 ls -la "$OUT"

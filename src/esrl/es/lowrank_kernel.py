@@ -17,31 +17,30 @@ try:
 except ImportError:  # CPU-only installs: the torch ops below
     triton = None
 
-BLOCK_OUT = 1024
-BLOCK_IN = 512
-
-
 if triton is not None:
     @triton.jit
     def _lowrank_rows(ys_ptr, xs_ptr, bt_ptr, at_ptr, rows_per_member, n_in, n_out, ys_stride, xs_stride,
-                      RANK: tl.constexpr, BLOCK_IN: tl.constexpr, BLOCK_OUT: tl.constexpr):
+                      RANK: tl.constexpr, RANKS: tl.constexpr, BLOCK_IN: tl.constexpr, BLOCK_OUT: tl.constexpr):
+        """One program: one row, one block of outputs. c = B^T x for all r at once (a [RANKS, BLOCK_IN] tile per
+        step over `in`), then ys[cols] += sum_r c_r A[r, cols]. RANKS: RANK rounded up to a power of two."""
         row = tl.program_id(0).to(tl.int64)
-        member = row // rows_per_member
+        factor = (row // rows_per_member) * RANK + tl.arange(0, RANKS)
+        rank_ok = tl.arange(0, RANKS) < RANK
+        dots = tl.zeros([RANKS, BLOCK_IN], dtype=tl.float32)
+        for start in range(0, n_in, BLOCK_IN):
+            k = start + tl.arange(0, BLOCK_IN)
+            k_ok = k < n_in
+            x = tl.load(xs_ptr + row * xs_stride + k, mask=k_ok, other=0.0).to(tl.float32)
+            b = tl.load(bt_ptr + factor[:, None] * n_in + k[None, :], mask=rank_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)
+            dots += b * x[None, :]
+        c = tl.sum(dots, axis=1)
         cols = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
         col_ok = cols < n_out
+        a = tl.load(at_ptr + factor[:, None] * n_out + cols[None, :], mask=rank_ok[:, None] & col_ok[None, :],
+                    other=0.0).to(tl.float32)
         ys_row = ys_ptr + row * ys_stride
-        acc = tl.load(ys_row + cols, mask=col_ok, other=0.0).to(tl.float32)
-        for r in tl.static_range(RANK):
-            factor = member * RANK + r
-            dot = tl.zeros([BLOCK_IN], dtype=tl.float32)
-            for start in range(0, n_in, BLOCK_IN):
-                k = start + tl.arange(0, BLOCK_IN)
-                k_ok = k < n_in
-                x = tl.load(xs_ptr + row * xs_stride + k, mask=k_ok, other=0.0).to(tl.float32)
-                b = tl.load(bt_ptr + factor * n_in + k, mask=k_ok, other=0.0).to(tl.float32)
-                dot += x * b
-            a = tl.load(at_ptr + factor * n_out + cols, mask=col_ok, other=0.0).to(tl.float32)
-            acc += tl.sum(dot, axis=0) * a
+        acc = tl.load(ys_row + cols, mask=col_ok, other=0.0).to(tl.float32) + tl.sum(a * c[:, None], axis=0)
         tl.store(ys_row + cols, acc.to(ys_ptr.dtype.element_ty), mask=col_ok)
 
 
@@ -52,9 +51,12 @@ def lowrank_add_(ys: torch.Tensor, xs: torch.Tensor, a_t: torch.Tensor, b_t: tor
         xs = xs.reshape(m * n, xs.shape[-1])
         if xs.stride(-1) != 1:
             xs = xs.contiguous()
-        grid = (m * n, triton.cdiv(n_out, BLOCK_OUT))
-        _lowrank_rows[grid](ys, xs, b_t, a_t, n, xs.shape[-1], n_out, n_out, xs.stride(0), RANK=a_t.shape[1],
-                            BLOCK_IN=BLOCK_IN, BLOCK_OUT=BLOCK_OUT)
+        rank = a_t.shape[1]
+        ranks = max(2, triton.next_power_of_2(rank))
+        block_in, block_out = max(128, 4096 // ranks), max(256, 8192 // ranks)  # tiles of <= 8k fp32 values
+        grid = (m * n, triton.cdiv(n_out, block_out))
+        _lowrank_rows[grid](ys, xs, b_t, a_t, n, xs.shape[-1], n_out, n_out, xs.stride(0), RANK=rank, RANKS=ranks,
+                            BLOCK_IN=block_in, BLOCK_OUT=block_out)
         return
     if a_t.dtype != ys.dtype:  # factors kept in fp32 (lora adapters): compute there, add once
         ys.add_(torch.bmm(torch.bmm(xs.to(a_t.dtype), b_t.transpose(1, 2)), a_t).to(ys.dtype))

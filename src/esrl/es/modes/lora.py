@@ -208,16 +208,19 @@ def lora_adapters(model: torch.nn.Module, selection: ParamSelection | None = Non
 
 
 class StaticLora(StaticPopulation):
-    """lora for compiled decoding: PEFT's own adapter path is switched off (PeftModel.disable_adapter) and a hook on
+    """lora for compiled decoding: PEFT's own adapter path is switched off (its layers' enable_adapters) and a hook on
     each LoRA layer's base Linear adds the row's member adapter, (x A_i^T) (scaling B_i)^T, from persistent buffers
     (A_i (M, r, in), scaling B_i^T (M, r, out)): one esrl.es.lowrank_kernel launch per adapted linear on a GPU,
     instead of PEFT's adapter GEMMs plus per-member ones that replaced their outputs."""
 
-    def _targets(self):
+    def _layers(self) -> list[tuple[str, torch.nn.Module]]:
         from peft.tuners.lora import LoraLayer
 
-        return [(name.removeprefix("base_model.model."), module.base_layer) for name, module in
-                self.model.named_modules() if isinstance(module, LoraLayer) and "default" in module.lora_A]
+        return [(name.removeprefix("base_model.model."), module) for name, module in self.model.named_modules()
+                if isinstance(module, LoraLayer) and "default" in module.lora_A]
+
+    def _targets(self):
+        return [(name, layer.base_layer) for name, layer in self._layers()]
 
     def _fill(self, members):
         adapters = lora_adapters(self.model, self.selection, self.spec, members)
@@ -227,8 +230,15 @@ class StaticLora(StaticPopulation):
 
     @contextmanager
     def population(self, row_member: torch.Tensor) -> Iterator[None]:
-        with self.model.disable_adapter(), super().population(row_member):
-            yield
+        switched = [layer for _, layer in self._layers() if not layer.disable_adapters]
+        for layer in switched:
+            layer.enable_adapters(False)
+        try:
+            with super().population(row_member):
+                yield
+        finally:
+            for layer in switched:
+                layer.enable_adapters(True)
 
     def _apply(self, buffers, x, out):
         a_t, b_t = buffers
