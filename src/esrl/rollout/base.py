@@ -30,13 +30,13 @@ class RolloutConfig:
     stop: list[str] = field(default_factory=list)
     """Extra stop strings, added to the task's own."""
     compile: Literal["auto", "on", "off"] = "auto"
-    """engine hf: decode with a static KV cache and a compiled forward (transformers' static cache +
-    torch.compile, CUDA graphs on GPUs), compiled once per (rows, prompt-length bucket) and reused by every
-    later call; the first call of each shape logs its compile time. auto: on when the policy is on a CUDA
-    device (on a CPU a compile costs ~40 s per shape for little gain)."""
+    """engine hf: decode with a static KV cache and one decode step recorded as a CUDA graph on GPUs (run
+    eagerly on CPUs; esrl.rollout.static_decode), recorded once per (rows, prompt-length bucket, new tokens,
+    sampling kind) and reused by every later call; the first call of each shape logs its time. auto: on when the
+    policy is on a CUDA device (sdpa full-attention models; others use generate)."""
     prompt_bucket: int = 64
     """compile: prompts are left-padded to a multiple of this many tokens, so iterations whose prompts differ
-    in length still share one compiled graph."""
+    in length still share one recorded decode step."""
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
     """engine vllm: extra `vllm.LLM` arguments, e.g. gpu_memory_utilization (default 0.3), max_model_len
     (default 2048), tensor_parallel_size."""
@@ -81,7 +81,7 @@ class EngineCapabilities:
     """True: sampled `generate` calls fill Completion.logprobs (GRPO's vLLM importance-sampling correction
     needs them when the engine samples with its own weights)."""
     static_shapes: bool = False
-    """True: every new batch size (or prompt-length bucket) costs a compile, so callers keep their batch shapes
+    """True: every new batch size (or prompt-length bucket) costs a recording, so callers keep their batch shapes
     fixed (ES pads its last chunk of members to a full one); per-row weights must live in buffers that keep
     their address across calls (see esrl.es.modes: static populations)."""
 

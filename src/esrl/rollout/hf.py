@@ -1,5 +1,6 @@
 """Batched generation with transformers: left padding, greedy or sampled, stop strings, an optional compiled
-decode path (static KV cache + torch.compile: CUDA graphs on GPUs, where eager decoding is launch-bound)."""
+decode path (a static KV cache and one decode step recorded as a CUDA graph on GPUs, where eager decoding is
+launch-bound; rollout/static_decode.py)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ class HFEngine(RolloutEngine):
         self.compile = compile
         self.prompt_bucket = prompt_bucket
         self.compile_log: list[tuple[tuple[int, int, int], float]] = []
-        """((rows, padded prompt tokens, new tokens), seconds of the first call) of every compiled shape."""
+        """((rows, padded prompt tokens, new tokens), seconds of the first call) of every static decoder made
+        (its CUDA graph recording included on GPUs); a decoder made anew after a hook or weight change logs again."""
         self.max_shapes = 4
         self._decoders: dict[DecodeKey, StaticDecoder] = {}  # the recorded decode steps, least recently used first
 
@@ -120,7 +122,7 @@ class HFEngine(RolloutEngine):
                     ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
                 shape = (ids.shape[0], ids.shape[1], max_new_tokens)
                 decoder = self._decoder(*shape, greedy, top_p, population)
-                first = decoder.graph is None and decoder.graphs
+                first = decoder.calls == 0
                 new = decoder.generate(ids, mask, temperature=temperature, top_p=top_p,
                                        min_new_tokens=min_new_tokens or 0).tolist()
                 if first:
@@ -148,15 +150,18 @@ class HFEngine(RolloutEngine):
         return seqs[:, enc["input_ids"].shape[1]:].tolist()
 
     def _completion(self, ids: list[int], stop: Sequence[str], max_new_tokens: int) -> Completion:
+        """One row's completion, the same from both paths: generate pads a row after its stop string (with EOS
+        when pad is EOS), the static decoder keeps decoding it, so a stop string before the first EOS wins."""
         tok = self.tokenizer
-        ended = False
-        if tok.eos_token_id in ids:
+        ended = tok.eos_token_id in ids
+        if ended:
             ids = ids[: ids.index(tok.eos_token_id) + 1]
-            ended = True
-        elif tok.pad_token_id is not None and tok.pad_token_id in ids:  # finished by a stop string
+        elif tok.pad_token_id is not None and tok.pad_token_id in ids:  # generate ended it by a stop string
             ids = ids[: ids.index(tok.pad_token_id)]
-        if stop and not ended:
-            ids = first_stop_prefix(tok, ids, stop)
+        if stop:
+            cut = first_stop_prefix(tok, ids[:-1] if ended else ids, stop)
+            if any(s in tok.decode(cut, skip_special_tokens=True) for s in stop):
+                ids, ended = cut, False
         text = tok.decode(ids, skip_special_tokens=True)
         text, stopped = cut_at_stop(text, stop)
         return Completion(text=text, token_ids=ids, truncated=not (ended or stopped) and len(ids) >= max_new_tokens)

@@ -37,10 +37,12 @@ class DecodeKey:
 
 
 def supports_static_decode(model) -> bool:
-    """Full-attention decoder models only (no sliding-window layers): the step passes one 4D padding mask."""
+    """Full-attention sdpa decoder models only: the step passes one 4D boolean padding mask, which transformers
+    hands to the attention as is (eager attention would add it as a float bias, flash attention rejects it)."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     types = getattr(config, "layer_types", None) or []
-    return all(t == "full_attention" for t in types) and not getattr(config, "use_sliding_window", False)
+    return (model.config._attn_implementation == "sdpa" and all(t == "full_attention" for t in types)
+            and not getattr(config, "use_sliding_window", False))
 
 
 def module_context(model) -> tuple:
@@ -116,6 +118,7 @@ class StaticDecoder:
         self.top_p = torch.ones((), dtype=torch.float32, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.record_seconds: float | None = None
+        self.calls = 0  # generates run so far: the engine logs the first call of each decoder
 
     # -- one token ----------------------------------------------------------------------------------------------
     def _choose(self, logits: torch.Tensor) -> torch.Tensor:
@@ -200,6 +203,7 @@ class StaticDecoder:
         self.temperature.fill_(temperature)
         self.top_p.fill_(top_p)
         self.min_new.fill_(min_new_tokens or 0)
+        self.calls += 1
         with self.attention(self.model.device):
             self._prefill(input_ids, attention_mask)
             done = 1
