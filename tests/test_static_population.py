@@ -1,0 +1,52 @@
+"""ES populations on the static decoder (`rollout.compile: on`, run eagerly on the CPU): a chunk through the mode's
+StaticPopulation (hooks installed once, buffers refilled per chunk; lora: PEFT's adapter path switched off and the
+member adapter added on the base Linear, esrl.es.lowrank_kernel's torch path here) gives the eager engine's per-chunk
+hooks token for token, members differ, and afterwards plain generation is the policy's own (adapter back on, the
+adapter's requires_grad flags unchanged). fp32 tiny Llama. On a GPU the same kernel runs as Triton: tests/test_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+PROMPTS = ["Hi", "Write a much longer sentence about the sea and the sky"]
+NEW = 8
+
+
+@pytest.mark.parametrize("mode_name,fields", [("lowrank", dict(rank=1)), ("lowrank", dict(rank=2)),
+                                              ("lora", dict(lora_rank=4, lora_alpha=8))])
+def test_static_population_equals_eager_hooks(tiny_model, mode_name, fields):
+    from esrl.es import get_mode, population
+    from esrl.es.config import ESConfig
+    from esrl.es.engines import InPlaceES
+    from esrl.es.setup import build_policy, build_selection
+    from esrl.models import load_causal_lm, load_tokenizer
+    from esrl.rollout import HFEngine
+
+    cfg = ESConfig(mode=mode_name, sigma=0.05, **fields)
+    tok, policy = load_tokenizer(tiny_model), load_causal_lm(tiny_model)
+    if mode_name == "lora":
+        policy = build_policy(policy, cfg, 0)
+        with torch.no_grad():  # a trained-looking adapter (B = 0 at init would hide a dropped adapter term)
+            for name, p in policy.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+    selection, spec = build_selection(policy, cfg)
+    grads = {n: p.requires_grad for n, p in policy.named_parameters()}
+    mode = get_mode(mode_name)
+    eager, static = HFEngine(policy, tok, compile="off"), HFEngine(policy, tok, compile="on", prompt_bucket=16)
+    backend = InPlaceES(static, policy, selection, spec, mode)
+    members = population(2, 0, 6)
+    for chunk in (members[:3], members[3:]):
+        want = eager.generate_population(PROMPTS, 3, lambda rows, c=chunk: mode.population(policy, selection, spec,
+                                                                                             c, rows),
+                                         max_new_tokens=NEW, min_new_tokens=NEW)
+        got = static.generate_population(PROMPTS, 3, backend.row_weights(chunk), max_new_tokens=NEW,
+                                         min_new_tokens=NEW)
+        assert [[c.token_ids for c in m] for m in got] == [[c.token_ids for c in m] for m in want]
+        assert len({tuple(m[1].token_ids) for m in got}) > 1
+    base = [c.token_ids for c in eager.generate(PROMPTS, max_new_tokens=NEW, min_new_tokens=NEW)]
+    assert [c.token_ids for c in static.generate(PROMPTS, max_new_tokens=NEW, min_new_tokens=NEW)] == base
+    assert {n: p.requires_grad for n, p in policy.named_parameters()} == grads
+    backend.static.remove()
