@@ -50,3 +50,16 @@ def test_static_population_equals_eager_hooks(tiny_model, mode_name, fields):
     assert [c.token_ids for c in static.generate(PROMPTS, max_new_tokens=NEW, min_new_tokens=NEW)] == base
     assert {n: p.requires_grad for n, p in policy.named_parameters()} == grads
     backend.static.remove()
+
+
+def test_zero3_partitioned_weights_decode_with_generate(tiny_model):
+    """DeepSpeed ZeRO-3 marks its partitioned parameters (ds_id) and gathers them per forward: the static decoder
+    cannot record that, so the engine falls back to transformers' generate (a stand-in attribute here: DeepSpeed
+    itself needs a GPU)."""
+    from esrl.models import load_causal_lm
+    from esrl.rollout.static_decode import supports_static_decode
+
+    model = load_causal_lm(tiny_model)
+    assert supports_static_decode(model)
+    next(model.parameters()).ds_id = 0
+    assert not supports_static_decode(model)

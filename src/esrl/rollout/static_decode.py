@@ -38,11 +38,14 @@ class DecodeKey:
 
 def supports_static_decode(model) -> bool:
     """Full-attention sdpa decoder models only: the step passes one 4D boolean padding mask, which transformers
-    hands to the attention as is (eager attention would add it as a float bias, flash attention rejects it)."""
+    hands to the attention as is (eager attention would add it as a float bias, flash attention rejects it).
+    Not under DeepSpeed ZeRO-3: its hooks gather each layer's partitioned weights into fresh storage per forward,
+    which a recorded graph cannot follow (generate then runs eagerly, as transformers does there)."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     types = getattr(config, "layer_types", None) or []
+    zero3 = any(hasattr(p, "ds_id") for p in model.parameters())
     return (model.config._attn_implementation == "sdpa" and all(t == "full_attention" for t in types)
-            and not getattr(config, "use_sliding_window", False))
+            and not getattr(config, "use_sliding_window", False) and not zero3)
 
 
 def module_context(model) -> tuple:
