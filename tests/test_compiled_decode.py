@@ -1,12 +1,15 @@
-"""The compiled decode path (static KV cache + torch.compile), run on the CPU (`rollout.compile: on`): it must give
-the eager engine's greedy tokens, and ES populations must carry their perturbation inside the compiled graph.
+"""The compiled decode path (esrl.rollout.static_decode: a static KV cache and one decode step, recorded as a CUDA
+graph on GPUs, run eagerly here on the CPU; `rollout.compile: on`): it must give the eager engine's tokens
+(transformers' generate) for greedy decoding, min_new_tokens, early EOS and stop strings, repeat sampled draws for a
+seed, reuse one decoder per shape, and carry an ES population's perturbation inside the recorded step.
 
-fp32 tiny Llama, so compiled and eager agree token for token. Each new (rows, prompt bucket) shape costs a compile
-(~40 s on 2 cores), so the module keeps to three shapes. On a GPU the same checks run under `pytest -m gpu`
-(tests/test_gpu.py).
+fp32 tiny Llama, so both paths agree token for token; on the CPU a new shape costs no compile, only a fresh
+StaticCache. On a GPU the recording itself is checked under `pytest -m gpu` (tests/test_gpu.py).
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -15,6 +18,8 @@ from esrl.es import get_mode, population
 from esrl.es.config import ESConfig
 from esrl.es.setup import build_selection
 from esrl.rollout import HFEngine
+from esrl.rollout.hf import first_stop_prefix
+from esrl.rollout.static_decode import grouped_decode_attention
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +41,7 @@ def _tokens(completions):
     return [c.token_ids for c in completions]
 
 
-def test_compiled_greedy_equals_eager_and_each_shape_compiles_once(setup):
+def test_compiled_greedy_equals_eager_and_each_shape_is_made_once(setup):
     model, eager, compiled = setup
     assert compiled.capabilities.static_shapes and not eager.capabilities.static_shapes
     want = _tokens(eager.generate(PROMPTS, max_new_tokens=NEW, min_new_tokens=NEW))
@@ -72,3 +77,116 @@ def test_static_population_is_in_the_compiled_graph_and_refills_per_chunk(setup)
             pass
     backend.static.remove()
     assert all(p.grad is None for p in model.parameters()) and torch.is_grad_enabled()
+
+
+# The tiny model repeats a prompt's last word; these prompts give rows whose tokens change at different steps:
+# '?? dyes dyes ...', 'rlrlrl...', ' story story storyJDJD...', ' dyes dyes ...', ' numbers x4 then UNCT ...'.
+MIXED = ["What is 2+2?", "Hi", "Tell me a story", "red dyes", "List prime numbers"]
+
+
+def _pair(model, tok):
+    return HFEngine(model, tok, compile="off"), HFEngine(model, tok, compile="on", prompt_bucket=16)
+
+
+def test_min_new_tokens_and_rows_ending_at_different_steps_equal_eager(setup):
+    """EOS is a token the eager run emits at different steps in different rows (never in some): rows end apart,
+    later steps feed padding, and min_new_tokens holds EOS back, in both paths alike."""
+    model, eager, _ = setup
+    plain = _tokens(eager.generate(MIXED, max_new_tokens=NEW))
+    first = {}
+    for row in plain:
+        for t in set(row):
+            first.setdefault(t, set()).add(row.index(t))
+    eos = next(t for t, steps in first.items() if len(steps) > 1)  # emitted first at two different steps
+    tok = copy.deepcopy(eager.tokenizer)
+    tok.eos_token_id = eos
+    assert tok.eos_token_id == eos != tok.pad_token_id
+    eager, static = _pair(model, tok)
+    for min_new in (None, 3):
+        want = eager.generate(MIXED, max_new_tokens=NEW, min_new_tokens=min_new)
+        got = static.generate(MIXED, max_new_tokens=NEW, min_new_tokens=min_new)
+        assert [(c.token_ids, c.truncated) for c in got] == [(c.token_ids, c.truncated) for c in want]
+        ends = {len(c.token_ids) for c in want if c.token_ids[-1] == eos}
+        assert ends and any(c.truncated for c in want)  # some rows end, some never do
+        assert min(ends) > min_new if min_new else len(ends) > 1  # held back; else ended at different steps
+
+
+@pytest.mark.parametrize("stop", ["JD", "UNC"])
+def test_stop_strings_cut_where_generate_stops(setup, stop):
+    """generate stops a row at its stop string and pads it with the pad token (EOS here); the static decoder decodes
+    on and the engine cuts the ids: completions equal, and the stopped row is not marked ended or truncated."""
+    _, eager, compiled = setup
+    want = eager.generate(MIXED, max_new_tokens=NEW, stop=[stop])
+    assert any(stop in c.text for c in want)
+    got = compiled.generate(MIXED, max_new_tokens=NEW, stop=[stop])
+    assert [(c.text, c.token_ids, c.truncated) for c in got] == [(c.text, c.token_ids, c.truncated) for c in want]
+    stopped = [c for c in got if stop in c.text]
+    assert stopped and all(c.text.endswith(stop) and not c.truncated for c in stopped)
+    assert all(eager.tokenizer.eos_token_id not in c.token_ids for c in stopped)
+
+
+def test_sampled_return_sequences_repeat_for_a_seed(setup):
+    _, eager, compiled = setup
+    kw = dict(max_new_tokens=NEW, greedy=False, temperature=1.0, top_p=0.9, num_return_sequences=3)
+    draws = [_tokens(compiled.generate(PROMPTS, seed=s, **kw)) for s in (5, 5, 6)]
+    shape = [len(ids) for ids in _tokens(eager.generate(PROMPTS, seed=5, **kw))]
+    assert len(draws[0]) == len(shape) == 6 and all(len(ids) == NEW for ids in draws[0])
+    assert draws[0] == draws[1] and draws[0] != draws[2]
+    assert len({tuple(ids) for ids in draws[0]}) > 1  # the three sequences of a prompt are separate draws
+
+
+def test_first_stop_prefix(setup):
+    tok = setup[1].tokenizer
+    ids = tok(" story story storyJDJD end", add_special_tokens=False)["input_ids"]
+    cut = first_stop_prefix(tok, ids, ["JD", "story"])
+    assert tok.decode(cut).endswith("story") and tok.decode(cut[:-1]).find("story") < 0  # the shortest prefix
+    assert len(cut) < len(ids) and ids[:len(cut)] == cut
+    assert tok.decode(first_stop_prefix(tok, ids, ["JD"])) == " story story storyJD"
+    assert first_stop_prefix(tok, ids, ["nowhere"]) == ids and first_stop_prefix(tok, [], ["JD"]) == []
+
+
+class _Attention(torch.nn.Module):
+    num_key_value_groups, is_causal, training = 3, True, False
+
+
+def test_grouped_decode_attention_equals_sdpa():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    rows, kv, groups, length, dim = 3, 2, 3, 7, 8
+    key, value = torch.randn(rows, kv, length, dim), torch.randn(rows, kv, length, dim)
+    mask = torch.ones(rows, 1, 1, length, dtype=torch.bool)
+    mask[0, ..., :3] = False  # left padding
+    mask[2, ..., 5:] = False  # static cache slots not written yet
+    query = torch.randn(rows, kv * groups, 1, dim)
+    module = _Attention()
+    got, _ = grouped_decode_attention(module, query, key, value, mask, scaling=0.3)
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    assert got.shape == want.shape == (rows, 1, kv * groups, dim)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+    query = torch.randn(rows, kv * groups, 4, dim)  # prefill: several query tokens go to sdpa itself
+    mask4 = mask.expand(rows, 1, 4, length).clone()
+    got, _ = grouped_decode_attention(module, query, key, value, mask4, scaling=0.3)
+    want, _ = sdpa_attention_forward(module, query, key, value, mask4, scaling=0.3)
+    assert got.shape == (rows, 4, kv * groups, dim) and torch.equal(got, want)
+
+
+def test_a_decoder_is_made_once_per_shape_and_anew_after_a_hook_change(setup):
+    model, eager, _ = setup
+    engine = HFEngine(model, eager.tokenizer, compile="on", prompt_bucket=16)
+    want = _tokens(engine.generate(PROMPTS, max_new_tokens=NEW))
+    assert _tokens(engine.generate(PROMPTS, max_new_tokens=NEW)) == want and len(engine._decoders) == 1
+    engine.generate(["word " * 20], max_new_tokens=NEW)  # a longer prompt bucket: one more decoder
+    assert [k.prompt_len for k in engine._decoders] == [16, 32]
+    assert len(engine.compile_times()) == 2
+    (before,) = {k.context for k in engine._decoders}
+    handle = model.model.layers[0].mlp.register_forward_hook(lambda module, args, out: None)
+    try:
+        assert _tokens(engine.generate(PROMPTS, max_new_tokens=NEW)) == want
+        (key,) = engine._decoders  # the decoders recorded without the hook are dropped
+        assert key.context != before and key.prompt_len == 16
+    finally:
+        handle.remove()
+    engine.generate(PROMPTS, max_new_tokens=NEW)
+    assert [k.context for k in engine._decoders] == [before] and len(engine.compile_times()) == 4
