@@ -191,35 +191,25 @@ class StaticDecoder:
         self.graph = graph
         self.record_seconds = time.perf_counter() - start
 
-    def _eager_steps(self, done: int) -> int:
-        while done < self.key.new_tokens:
-            self._step()
-            done += 1
-            if done % self.check_every == 0 and bool(self.finished.all()):
-                break
-        return self.key.new_tokens
-
     @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float = 1.0,
                  top_p: float = 1.0, min_new_tokens: int = 0) -> torch.Tensor:
         """(rows, new_tokens) token ids, pad after EOS; a fresh generation on the same buffers every call."""
         self.temperature.fill_(temperature)
         self.top_p.fill_(top_p)
-        self.min_new.fill_(min_new_tokens or 0)
+        self.min_new.fill_(min_new_tokens)
         self.calls += 1
         with self.attention(self.model.device):
-            self._prefill(input_ids, attention_mask)
+            self._prefill(input_ids, attention_mask)  # the model's own attention and mask preparation
             done = 1
-            if done < self.key.new_tokens and (self.graph is None or not self.graphs):
-                with decode_attention(self.model):
-                    if self.graphs:
-                        self._record()  # its warm-up step is a real step
-                        done += 1
-                    else:
-                        done = self._eager_steps(done)
-            while done < self.key.new_tokens:
-                self.graph.replay()
-                done += 1
-                if done % self.check_every == 0 and bool(self.finished.all()):
-                    break
+            with decode_attention(self.model):  # read when a step is recorded or run eagerly
+                if self.graphs and self.graph is None and done < self.key.new_tokens:
+                    self._record()  # its warm-up step is a real step
+                    done += 1
+                step = self._step if self.graph is None else self.graph.replay
+                while done < self.key.new_tokens:
+                    step()
+                    done += 1
+                    if done % self.check_every == 0 and bool(self.finished.all()):
+                        break
         return self.tokens.clone()
