@@ -1,13 +1,14 @@
 """GRPO in a real 2-process fit (DDP on CPU, gloo) with accumulate_grad_batches 2: is the gradient the optimizer
-gets TRL's? Prints, per rank, the loss tokens of each micro-batch (own and all ranks'), the window's rescale
-factor (esrl.grpo.accumulation) and the largest gradient difference, relative to the largest gradient entry,
+gets TRL's? Prints, per rank, the loss tokens of each micro-batch (own and all ranks'), the step's token count
+the module divided by (num_items, known before the first backward since the whole window rolls out first) and
+the largest difference of the accumulated gradient (read before any hook of the module runs), relative to the
+largest gradient entry,
 from TRL's formula recomputed from the step's own rollouts: for dapo/cispo/vespo sum over ranks and
 micro-batches of every token's term / (the step's tokens on all ranks); for the others Lightning's mean.
 
     python benchmarks/grpo_ddp_parity.py [--loss-type dapo] [--seed 7]
 
-One optimizer step on a tiny random Llama (~1.5 min on 2 CPU cores). Seed 7: tokens per micro-batch 16 and 20
-on all ranks, factor 0.889, max relative difference 1.6e-6 (float32); --loss-type grpo: factor 1, 6.0e-8.
+One optimizer step on a tiny random Llama (~1.5 min on 2 CPU cores); figures in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -70,7 +71,6 @@ def main() -> None:
     result = {}
 
     def checking(optimizer) -> None:
-        hook(optimizer)  # esrl: rescales the accumulated gradient to the step's token count
         rollouts = module._rollouts
         local = torch.stack([r.completion_mask.sum().float() for r in rollouts])
         tokens = local.clone()
@@ -92,7 +92,9 @@ def main() -> None:
             dist.all_reduce(g)
             worst = max(worst, float((p.grad - g).abs().max() / g.abs().max().clamp(min=1e-12)))
         result.update(rank=dist.get_rank(), local_tokens=local.tolist(), global_tokens=tokens.tolist(),
-                      factor=module._window.factor, max_rel_grad_diff=worst)
+                      num_items=None if module._num_items is None else float(module._num_items),
+                      max_rel_grad_diff=worst)
+        hook(optimizer)
 
     module.on_before_optimizer_step = checking
     cli.trainer.fit(module, cli.datamodule)

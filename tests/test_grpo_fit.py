@@ -73,8 +73,10 @@ def test_bad_grpo_config_is_one_line_naming_the_field(grpo_config, tmp_path, fla
 
 
 def test_micro_batches_follow_lightnings_accumulation_windows(grpo_config, tmp_path, monkeypatch):
-    """accumulate_grad_batches 2 over 3 prompts an epoch: windows [0, 1] and a short [2] in each epoch, so the
-    micro-batch index restarts with every optimizer step and every epoch. With num_iterations 2 the rollouts are
+    """accumulate_grad_batches 2, 1 prompt per micro-batch, 3 prompts an epoch: one window of 2 prompts per epoch
+    (the third, a window not full, is skipped that epoch, as TRL's RepeatSampler skips it), so the micro-batch
+    index restarts with every optimizer step and every epoch. Both micro-batches roll out at the window's first
+    one, before its first backward, each on its own prompt of the window. With num_iterations 2 the rollouts are
     made on steps 0 and 2 (micro-batches 0 and 1) and reused, by micro-batch index, on steps 1 and 3."""
     from esrl.cli import EsrlCLI
     from esrl.data import PromptDataModule
@@ -82,18 +84,30 @@ def test_micro_batches_follow_lightnings_accumulation_windows(grpo_config, tmp_p
 
     cli = EsrlCLI(build_module, PromptDataModule, run=False, args=[
         "--config", str(grpo_config), "--algo", "grpo", "--trainer.accumulate_grad_batches", "2",
-        "--trainer.max_steps", "4", "--trainer.default_root_dir", str(tmp_path)])
-    module, made = cli.model, []
-    make_rollout = module.make_rollout
+        "--data.prompts_per_step", "1", "--trainer.max_steps", "4", "--trainer.default_root_dir", str(tmp_path)])
+    module, made, steps = cli.model, [], []
+    make_rollout, training_step = module.make_rollout, module.training_step
 
     def recording(rows, micro_batch):
-        made.append((module.global_step, micro_batch))
+        made.append((module.global_step, micro_batch, [row["question"] for row in rows]))
         return make_rollout(rows, micro_batch)
 
+    def stepping(batch, batch_idx):
+        steps.append((module.global_step, batch_idx, [row["question"] for row in batch["rows"]]))
+        return training_step(batch, batch_idx)
+
     monkeypatch.setattr(module, "make_rollout", recording)
+    monkeypatch.setattr(module, "training_step", stepping)
     cli.trainer.fit(module, cli.datamodule)
     assert cli.trainer.global_step == 4
-    assert made == [(0, 0), (0, 1), (2, 0), (2, 1)]
+    assert [m[:2] for m in made] == [(0, 0), (0, 1), (2, 0), (2, 1)]
+    # every micro-batch of a window is served the window's 2 prompts; micro-batch k rolls out prompt k of them
+    assert [(step, idx) for step, idx, _ in steps] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0), (3, 1)]
+    for step, idx, prompts in steps:
+        assert len(prompts) == 2 and prompts == steps[step * 2][2]
+    for step, k, prompts in made:
+        assert prompts == [steps[step * 2][2][k]]
+    assert steps[0][2] != steps[4][2]  # the next epoch reshuffles
     # beta > 0: the frozen reference was used, and it is neither a child module nor in the checkpointed state
     assert module.reference is not None and module.reference.model not in list(module.modules())
     assert set(module.state_dict()) == {f"policy.{k}" for k in module.policy.state_dict()}
@@ -101,8 +115,10 @@ def test_micro_batches_follow_lightnings_accumulation_windows(grpo_config, tmp_p
 
 def test_accumulated_dapo_step_has_trls_gradient(grpo_config, tmp_path, monkeypatch):
     """Two micro-batches of unequal token counts (stop strings cut completions at varying lengths): the gradient
-    the optimizer gets is TRL's dapo one, every token of the step weighted 1 / (the step's tokens), recomputed
-    here from the step's own rollouts; each micro-batch normalized by its own tokens would differ."""
+    the backward passes accumulate is TRL's dapo one, every token of the step weighted 1 / (the step's tokens),
+    recomputed here from the step's own rollouts; each micro-batch normalized by its own tokens would differ. It is
+    checked before the module's own on_before_optimizer_step: nothing rescales gradients after the backwards, so
+    the same holds where DeepSpeed owns the gradient buffers."""
     from esrl.cli import EsrlCLI
     from esrl.data import PromptDataModule
     from esrl.grpo import GRPOLoss
@@ -111,13 +127,12 @@ def test_accumulated_dapo_step_has_trls_gradient(grpo_config, tmp_path, monkeypa
 
     cli = EsrlCLI(build_module, PromptDataModule, run=False, args=[
         "--config", str(grpo_config), "--algo", "grpo", "--trainer.accumulate_grad_batches", "2",
-        "--trainer.max_steps", "1", "--model.grpo.beta", "0", "--model.grpo.num_iterations", "1",
+        "--data.prompts_per_step", "1", "--trainer.max_steps", "1", "--model.grpo.beta", "0", "--model.grpo.num_iterations", "1",
         "--model.rollout.stop", '["e", "a", "o"]', "--trainer.default_root_dir", str(tmp_path)])
     module, checked = cli.model, []
     hook = module.on_before_optimizer_step
 
     def checking(optimizer):
-        hook(optimizer)  # rescales the accumulated gradient to the step's token count
         rollouts = module._rollouts
         tokens = [r.completion_mask.sum() for r in rollouts]
         assert len(rollouts) == 2 and tokens[0] != tokens[1], tokens
@@ -130,8 +145,25 @@ def test_accumulated_dapo_step_has_trls_gradient(grpo_config, tmp_path, monkeypa
             expected = torch.autograd.grad(loss, params)
         for p, g in zip(params, expected):
             torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-7)
-        checked.append(module._window.factor)
+        checked.append(float(module._num_items))
+        hook(optimizer)
 
     monkeypatch.setattr(module, "on_before_optimizer_step", checking)
     cli.trainer.fit(module, cli.datamodule)
-    assert len(checked) == 1 and checked[0] != 1.0
+    assert len(checked) == 1
+
+
+def test_accumulated_run_resumed_from_a_checkpoint_equals_uninterrupted(tiny_model, tmp_path_factory, tmp_path):
+    """accumulate_grad_batches 2 (dapo, windows rolled out whole): a run resumed from step 1's checkpoint continues
+    with the same windows, seeds and token counts, and ends with the uninterrupted run's weights."""
+    config = write_tiny_config(
+        tmp_path_factory.mktemp("cfg") / "grpo_acc.yaml", tiny_model, prompts_per_step=1, max_steps=3,
+        rollout={"temperature": 1.0, "stop": ["e", "a", "o"]},
+        grpo={"num_generations": 4, "learning_rate": 1e-3, "beta": 0.0},
+        trainer={"accumulate_grad_batches": 2, "enable_checkpointing": True,
+                 "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                                "init_args": {"every_n_train_steps": 1, "save_top_k": -1, "filename": "{step}"}}]})
+    whole = fit(config, tmp_path / "whole")
+    ckpt = next((tmp_path / "whole").rglob("checkpoints/step=1.ckpt"))
+    resumed = fit(config, tmp_path / "resumed", "--ckpt_path", str(ckpt))
+    assert_same_tensors(load_safetensors(whole), load_safetensors(resumed))

@@ -5,9 +5,10 @@ Same tiny Llama, prompts and completions as test_grpo_parity. Several processes 
 the generation batch is cut into rank x micro-batch shards, TRL's `_compute_loss` runs on each shard with
 `num_items_in_batch` as its `_generate_and_score_completions` gathers it (the whole generation batch, every
 rank) and `accelerator.num_processes` patched to the simulated world size, and the gradients are summed over
-shards and divided by the world size, as DDP's mean over ranks does. esrl's side is what GRPOModule does: each
-micro-batch divides by a provisional token count (esrl.grpo.accumulation.WindowTokens), Lightning divides the
-loss by accumulate_grad_batches, and the window's gradient is rescaled before the optimizer step.
+shards and divided by the world size, as DDP's mean over ranks does. esrl's side is what GRPOModule does: the
+whole window is rolled out first, so each micro-batch divides by the window's token count on every rank (each
+micro-batch's count all-reduced, summed over the window), and Lightning divides the loss by accumulate_grad_batches;
+nothing touches the gradients after the backwards.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
 from esrl.errors import ConfigError  # noqa: E402
 from esrl.grpo import LOSS_TYPES, GRPOConfig, GRPOLoss, group_advantages  # noqa: E402
-from esrl.grpo.accumulation import WindowTokens, rescale_  # noqa: E402
 from esrl.grpo.loss import GLOBAL_TOKEN_LOSSES  # noqa: E402
 from esrl.grpo.importance import importance_sampling_ratio, importance_sampling_stats  # noqa: E402
 from esrl.models.logps import per_token_logps  # noqa: E402
@@ -100,24 +100,20 @@ def test_split_generation_batch_matches_trl(tiny_dir: Path, tmp_path: Path, monk
         trl_total += loss.item() / P  # HF Trainer logs the window's summed losses, averaged over ranks
 
     loss_fn = _loss_fn(loss_type, beta)
-    windows = [WindowTokens() for _ in range(P)]
-    for w in windows:
-        w.reset(A)
+    # GRPOModule.roll_out_window: each micro-batch's tokens all-reduced over ranks, summed over the window
+    window_tokens = torch.stack([sum(tokens[r, k] for r in range(P)) for k in range(A)]).sum().float()
+    num_items = window_tokens if loss_type in GLOBAL_TOKEN_LOSSES else None
+    ours_total = 0.0
     for k in range(A):
-        global_tokens = sum(tokens[r, k] for r in range(P)).float()  # GRPOModule: all-reduced per micro-batch
         for r in range(P):
-            s, w = shards[r, k], windows[r]
+            s = shards[r, k]
             logps = per_token_logps(policy, ids[s], attn[s], T, temperature=TEMPERATURE)
             with torch.no_grad():
                 ref_s = per_token_logps(ref, ids[s], attn[s], T, temperature=TEMPERATURE)
             loss, _ = loss_fn(logps, logps.detach() + noise[s], advantages[s], mask[s], ref_per_token_logps=ref_s,
-                              num_items_in_batch=w.num_items(global_tokens if loss_type in GLOBAL_TOKEN_LOSSES else None),
-                              num_processes=P, accumulate_grad_batches=A)
-            w.add_loss(loss)
+                              num_items_in_batch=num_items, num_processes=P, accumulate_grad_batches=A)
+            ours_total += loss.item() / A / P  # GRPOModule's train/loss (/ A), averaged over ranks
             (loss / A / P).backward()  # Lightning's / accumulate_grad_batches, then DDP's mean
-    assert len({w.factor for w in windows}) == 1
-    rescale_([p.grad for p in policy.parameters() if p.grad is not None], windows[0].factor)
-    ours_total = sum(w.step_loss for w in windows) / P
 
     assert abs(ours_total - trl_total) <= TOL, (ours_total, trl_total)
     _assert_same_grads(policy, trainer)

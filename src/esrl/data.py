@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterator
 
 import lightning as L
@@ -13,26 +14,45 @@ from esrl.tasks import Task, build_task
 
 
 class PromptSampler(DistributedSampler):
-    """Seeded per-epoch permutation that can resume mid-epoch.
+    """Seeded per-epoch permutation that can resume mid-epoch, served in accumulation windows.
 
     It subclasses DistributedSampler so Lightning does not replace it; the strategy decides the sharding
     (ES: every rank sees every prompt, since all members are scored on the same prompts).
+
+    With `window_repeats` A > 1 (trainer.accumulate_grad_batches), the permutation is cut into windows of
+    `window_size` indices (an optimizer step's prompts) and each window is served A times, once per micro-batch,
+    as TRL's RepeatSampler does: so an algorithm can roll out a whole optimizer step at its first micro-batch and
+    normalize by the step's token count before the first backward. A last window that is not full is skipped that
+    epoch (the next epoch reshuffles), as TRL's RepeatSampler skips it.
     """
 
-    def __init__(self, n: int, shuffle: bool, seed: int, num_replicas: int = 1, rank: int = 0):
+    def __init__(self, n: int, shuffle: bool, seed: int, num_replicas: int = 1, rank: int = 0,
+                 window_size: int = 1, window_repeats: int = 1):
         super().__init__(range(n), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=False)
-        self.resume_at: tuple[int, int] | None = None  # (epoch, samples of it consumed before a resume)
+        self.window_size = window_size
+        self.window_repeats = window_repeats
+        self.resume_at: tuple[int, int] | None = None  # (epoch, indices of it consumed before a resume)
 
     def __iter__(self) -> Iterator[int]:
         indices = list(super().__iter__())
+        if self.window_repeats > 1:
+            size = self.window_size
+            indices = [i for start in range(0, len(indices) - size + 1, size)
+                       for _ in range(self.window_repeats) for i in indices[start:start + size]]
         if self.resume_at is not None and self.resume_at[0] == self.epoch:
             indices = indices[self.resume_at[1]:]
             self.resume_at = None
         return iter(indices)
 
+    def __len__(self) -> int:
+        if self.window_repeats > 1:
+            return self.num_samples // self.window_size * self.window_size * self.window_repeats
+        return self.num_samples
 
-def _collate(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"rows": rows}
+
+def _collate(rows: list[dict[str, Any]], micro_batches: int = 1) -> dict[str, Any]:
+    """rows: the batch's prompts; with micro_batches > 1 the whole accumulation window's, in micro-batch order."""
+    return {"rows": rows, "micro_batches": micro_batches}
 
 
 class PromptDataModule(L.LightningDataModule):
@@ -44,9 +64,11 @@ class PromptDataModule(L.LightningDataModule):
         Args:
             task: task name (conciseness, countdown, jsonl) or a 'module:function' returning a Task.
             task_args: the task builder's options (data paths, sizes, reward functions).
-            prompts_per_step: prompts per ES iteration / GRPO step (per process under GRPO data parallelism). At
-                most the number of training prompts (under GRPO, each process's share): a larger batch is refused,
-                never silently shrunk.
+            prompts_per_step: prompts per ES iteration / GRPO micro-batch (per process under GRPO data
+                parallelism; a GRPO optimizer step takes trainer.accumulate_grad_batches of them). At most the
+                number of training prompts (under GRPO, each process's share; with accumulation, the window's):
+                a larger batch is refused, never silently shrunk. With accumulate_grad_batches > 1 each
+                training batch carries its whole window's prompts (see PromptSampler).
             eval_batch_size: prompts per evaluation batch.
             shuffle: shuffle training prompts each epoch (seeded, so runs repeat).
             seed: seed of the shuffling.
@@ -77,13 +99,21 @@ class PromptDataModule(L.LightningDataModule):
         require(self.prompts_per_step <= -(-n // replicas), "data.prompts_per_step",
                 f"{self.prompts_per_step} prompts per step and process, but {n} training prompts over {replicas} "
                 f"processes give each only {-(-n // replicas)}")
-        self._sampler = PromptSampler(n, self.shuffle, self.seed, **kwargs)
+        micro_batches = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
+        batch_size = self.prompts_per_step * micro_batches
+        if micro_batches > 1:
+            require(batch_size <= -(-n // replicas), "data.prompts_per_step",
+                    f"{self.prompts_per_step} prompts per micro-batch x trainer.accumulate_grad_batches "
+                    f"{micro_batches} = {batch_size} prompts per optimizer step and process, but {n} training "
+                    f"prompts over {replicas} processes give each only {-(-n // replicas)}")
+        self._sampler = PromptSampler(n, self.shuffle, self.seed, **kwargs, window_size=batch_size,
+                                      window_repeats=micro_batches)
         if self._resume is not None:
             epoch, batches = self._resume
-            self._sampler.resume_at = (epoch, batches * self.prompts_per_step)
+            self._sampler.resume_at = (epoch, batches * batch_size)
             self._resume = None
-        return DataLoader(_Rows(self.task.train_rows), batch_size=self.prompts_per_step, sampler=self._sampler,
-                          collate_fn=_collate)
+        return DataLoader(_Rows(self.task.train_rows), batch_size=batch_size, sampler=self._sampler,
+                          collate_fn=functools.partial(_collate, micro_batches=micro_batches))
 
     def eval_dataloader(self) -> DataLoader:
         rows = self.task.eval_rows or self.task.train_rows

@@ -3,7 +3,8 @@
 Read top to bottom, one step is:
 
 1. rollout   G sampled completions per prompt with the shared engine, seeded by (run seed, step,
-             micro-batch, rank)
+             micro-batch, rank); at a window's first micro-batch, every micro-batch of the optimizer step
+             (the data module serves the window's prompts to each), as TRL generates a whole generation batch
 2. reward    the task's reward functions, the same ones ES and evaluation use
 3. advantage (r - group mean) / (group std + 1e-4), as TRL 1.16
 4. logps     old log-probs (only when num_iterations > 1) and reference log-probs (only when beta > 0),
@@ -12,7 +13,9 @@ Read top to bottom, one step is:
 6. update    Lightning does backward, gradient accumulation, clipping, AdamW and the LR schedule
 
 With num_iterations = mu > 1, the rollouts of one optimizer step are kept and trained on for mu
-optimizer steps.
+optimizer steps. Rolling the whole window out before its first backward makes dapo/cispo/vespo's divisor
+(TRL's num_items_in_batch, the step's loss tokens on every process) known to every micro-batch's loss, so the
+gradient Lightning (or DeepSpeed) accumulates is TRL's without touching gradient buffers afterwards.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from esrl.errors import ConfigError
 from esrl.finite import check_gradient, check_weights
-from esrl.grpo.accumulation import WindowTokens, rescale_
 from esrl.grpo.advantages import group_advantages, nanstd
 from esrl.grpo.config import GRPOConfig
 from esrl.grpo.importance import importance_sampling_ratio, importance_sampling_stats
@@ -97,7 +99,8 @@ class GRPOModule(PolicyModule):
         # vLLM rollouts: reweight by pi_trainer / pi_engine (refused here, before any model loads, if impossible)
         self.importance_sampling = self.grpo.importance_sampling_applies(
             engine_capabilities(self.rollout_config, self.engine_adapters()))
-        self._window = WindowTokens()  # dapo/cispo/vespo: the optimizer step's token count, see WindowTokens
+        self._num_items: torch.Tensor | None = None  # dapo/cispo/vespo: the optimizer step's loss tokens, all ranks
+        self._step_loss = 0.0  # the optimizer step's loss as TRL logs it (its micro-batch losses summed)
         for message in self.grpo.trl_warnings():
             rank_zero_warn(message)
         self.reference: FrozenReference | None = None  # beta > 0; outside the module tree, see FrozenReference
@@ -134,12 +137,6 @@ class GRPOModule(PolicyModule):
         # TRL clips gradients at 1.0 by default; the trainer's own gradient_clip_val wins when set.
         if stage == "fit" and self.trainer.gradient_clip_val is None and self.grpo.max_grad_norm is not None:
             self.trainer.gradient_clip_val = self.grpo.max_grad_norm
-        if (stage == "fit" and self.grpo.loss_type in GLOBAL_TOKEN_LOSSES and self.trainer.accumulate_grad_batches > 1
-                and isinstance(self.trainer.strategy, DeepSpeedStrategy)):
-            rank_zero_warn(f"GRPO: loss_type {self.grpo.loss_type} under DeepSpeed with accumulate_grad_batches > 1: "
-                           "DeepSpeed's gradient buffers are not rescaled to the window's token count (TRL's "
-                           "num_items_in_batch); every token of a step weighs the same, but the step's gradient "
-                           "scale uses its first micro-batch's count x accumulate_grad_batches (esrl.grpo.accumulation).")
 
     def on_fit_start(self) -> None:
         # Models load in eval mode and Lightning keeps a module's mode: the loss runs in train mode, as TRL's.
@@ -190,27 +187,37 @@ class GRPOModule(PolicyModule):
         self._step_start = time.perf_counter()
         # Lightning's own test for the first micro-batch of an accumulation window (automatic optimization's
         # zero_grad): batch_idx counts this epoch's batches, and an epoch's last window may be short.
-        micro_batch = batch_idx % self.trainer.accumulate_grad_batches
-        fresh = self.global_step % self.grpo.num_iterations == 0 or micro_batch >= len(self._rollouts)
+        accumulate = self.trainer.accumulate_grad_batches
+        micro_batch = batch_idx % accumulate
         if micro_batch == 0:
-            self._window.reset(self.trainer.accumulate_grad_batches)
-        if fresh:
-            if micro_batch == 0:
-                self._rollouts = []
-            self._rollouts[micro_batch:] = [self.make_rollout(batch["rows"], micro_batch)]
+            self._step_loss = 0.0
+        if (micro_batch == 0 and self.global_step % self.grpo.num_iterations == 0) or micro_batch >= len(self._rollouts):
+            self.roll_out_window(batch, micro_batch)  # a resumed run may start mid-window: from there on
         rollout = self._rollouts[micro_batch]
 
         logps = per_token_logps(self.policy, rollout.input_ids, rollout.attention_mask,
                                 rollout.completion_width, temperature=self.rollout_config.temperature)
         loss, stats = self.loss_fn(logps, rollout.old_logps, rollout.advantages, rollout.completion_mask,
                                    ref_per_token_logps=rollout.ref_logps,
-                                   num_items_in_batch=self._window.num_items(rollout.num_tokens),
-                                   num_processes=world_info(self)[1],
-                                   accumulate_grad_batches=self.trainer.accumulate_grad_batches,
-                                   importance_sampling_ratio=rollout.is_ratio)
-        self._window.add_loss(loss)
+                                   num_items_in_batch=self._num_items, num_processes=world_info(self)[1],
+                                   accumulate_grad_batches=accumulate, importance_sampling_ratio=rollout.is_ratio)
+        self._step_loss += float(loss.detach()) / accumulate  # Lightning divides the loss by accumulate too
         self._log_step(rollout, stats)
         return loss
+
+    def roll_out_window(self, batch: dict[str, Any], first: int) -> None:
+        """Roll out micro-batches first..A-1 of this optimizer step now, before any of their backwards: the batch
+        holds the whole window's prompts (PromptSampler serves it to each micro-batch, as TRL's RepeatSampler)."""
+        accumulate = self.trainer.accumulate_grad_batches
+        rows = batch["rows"]
+        if batch.get("micro_batches", 1) != accumulate or len(rows) % accumulate:
+            raise ConfigError(f"trainer.accumulate_grad_batches: GRPO with {accumulate} micro-batches per step needs "
+                              "batches holding the whole window's prompts (esrl.data.PromptDataModule serves them); "
+                              f"got a batch of {len(rows)} prompts for {batch.get('micro_batches', 1)} micro-batches")
+        size = len(rows) // accumulate
+        self._rollouts[first:] = [self.make_rollout(rows[k * size:(k + 1) * size], k) for k in range(first, accumulate)]
+        if self.grpo.loss_type in GLOBAL_TOKEN_LOSSES:  # TRL's num_items_in_batch: each count is all-reduced
+            self._num_items = torch.stack([r.num_tokens for r in self._rollouts[first:]]).sum()
 
     @torch.no_grad()
     def make_rollout(self, rows: list[dict[str, Any]], micro_batch: int) -> RolloutBatch:
@@ -334,9 +341,8 @@ class GRPOModule(PolicyModule):
 
     def on_before_optimizer_step(self, optimizer) -> None:
         grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
-        rescale_(grads, self._window.factor)  # dapo/cispo/vespo: the window's token count, see WindowTokens
         # the step's loss as TRL logs it (the sum of its micro-batch losses; mean over ranks)
-        self.log("train/loss", self._window.step_loss, on_step=True, on_epoch=False, sync_dist=True)
+        self.log("train/loss", self._step_loss, on_step=True, on_epoch=False, sync_dist=True)
         if grads and getattr(self.trainer.precision_plugin, "scaler", None) is None:  # fp16 scaling skips inf steps
             check_gradient(grads, algo="GRPO", step=self.global_step)
         if grads:  # before clipping, as TRL logs it (DeepSpeed keeps its own gradients: none here)

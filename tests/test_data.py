@@ -1,0 +1,45 @@
+"""PromptDataModule's sampler: accumulation windows served once per micro-batch, full windows only, exact resume."""
+
+from __future__ import annotations
+
+import pytest
+
+from esrl.data import PromptSampler
+
+
+def _served(sampler: PromptSampler, epoch: int) -> list[int]:
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+@pytest.mark.parametrize(("n", "replicas", "size", "repeats"), [(10, 1, 4, 2), (10, 1, 3, 3), (11, 2, 2, 2),
+                                                               (7, 1, 2, 1)])
+def test_windows_are_served_once_per_micro_batch_and_only_full(n, replicas, size, repeats):
+    """Each window of `size` indices of the epoch's permutation is served `repeats` times in a row; a last window
+    that is not full is left out (repeats > 1, as TRL's RepeatSampler); with repeats 1 the permutation as it is."""
+    for rank in range(replicas):
+        plain = PromptSampler(n, shuffle=True, seed=5, num_replicas=replicas, rank=rank)
+        windowed = PromptSampler(n, shuffle=True, seed=5, num_replicas=replicas, rank=rank, window_size=size,
+                                 window_repeats=repeats)
+        for epoch in (0, 1):
+            permutation, served = _served(plain, epoch), _served(windowed, epoch)
+            assert len(served) == len(windowed)
+            if repeats == 1:
+                assert served == permutation
+                continue
+            full = len(permutation) // size
+            assert len(served) == full * size * repeats
+            for w in range(full):
+                window = permutation[w * size:(w + 1) * size]
+                assert served[w * size * repeats:(w + 1) * size * repeats] == window * repeats
+    assert _served(windowed, 0) != _served(windowed, 1)  # each epoch reshuffles
+
+
+def test_resume_continues_the_same_windows():
+    """A resume at batch b (a micro-batch of a window) serves exactly what the uninterrupted epoch served after it."""
+    size, repeats = 3, 2
+    whole = _served(PromptSampler(12, True, 9, window_size=size, window_repeats=repeats), 1)
+    for batches in range(len(whole) // size):
+        resumed = PromptSampler(12, True, 9, window_size=size, window_repeats=repeats)
+        resumed.resume_at = (1, batches * size)
+        assert _served(resumed, 1) == whole[batches * size:]
