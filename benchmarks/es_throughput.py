@@ -237,7 +237,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct",
                     help="an esrl model id or path, or random:qwen2.5-1.5b (that architecture, random weights)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--compile", default="off", choices=["off", "on"],
+    ap.add_argument("--compile", default="off", choices=["off", "on", "fused"],
                     help="the HF engine's compiled decode path (rollout.compile); the first call compiles, the "
                          "best of --repeats is reported")
     ap.add_argument("--tokenizer", default="smollm2-135m-instruct", help="tokenizer id or folder")

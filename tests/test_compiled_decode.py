@@ -190,3 +190,29 @@ def test_a_decoder_is_made_once_per_shape_and_anew_after_a_hook_change(setup):
         handle.remove()
     engine.generate(PROMPTS, max_new_tokens=NEW)
     assert [k.context for k in engine._decoders] == [before] and len(engine.compile_times()) == 4
+
+
+def test_fused_step_gives_the_static_steps_tokens_with_and_without_a_population(setup):
+    """compile: fused runs the same step through torch.compile (Inductor's C++ kernels here, Triton on a GPU): greedy
+    tokens equal the unfused static path's, for the base model and for a lowrank population read from its buffers;
+    one compile per decoder, reused by the next call."""
+    from esrl.es.engines import InPlaceES
+    from esrl.rollout.hf import HFEngine as Engine
+
+    model, _, compiled = setup
+    fused = Engine(model, compiled.tokenizer, compile="fused", prompt_bucket=16)
+    assert fused.capabilities.static_shapes
+    want = _tokens(compiled.generate(PROMPTS, max_new_tokens=NEW, min_new_tokens=NEW))
+    for _ in range(2):
+        assert _tokens(fused.generate(PROMPTS, max_new_tokens=NEW, min_new_tokens=NEW)) == want
+    cfg = ESConfig(mode="lowrank", sigma=0.05, rank=2)
+    selection, spec = build_selection(model, cfg)
+    mode, members = get_mode("lowrank"), population(4, 0, 3)
+    results = []
+    for engine in (compiled, fused):
+        backend = InPlaceES(engine, model, selection, spec, mode)
+        results.append([_tokens(m) for m in engine.generate_population(
+            PROMPTS, 3, backend.row_weights(members), max_new_tokens=NEW, min_new_tokens=NEW)])
+        backend.static.remove()
+    assert results[0] == results[1] and len({tuple(m[-1]) for m in results[1]}) > 1
+    assert len(fused.compile_times()) == 2  # the base shape once, the population's once

@@ -42,7 +42,7 @@ def qwen(tmp_path_factory) -> str:
     return _random_qwen(tmp_path_factory.mktemp("qwen") / "bf16")
 
 
-def _fit(model: str, tmp_path, mode: str) -> dict[str, torch.Tensor]:
+def _fit(model: str, tmp_path, mode: str, compile: str = "auto") -> dict[str, torch.Tensor]:
     import lightning as L
 
     from esrl.callbacks import Evaluation
@@ -53,7 +53,7 @@ def _fit(model: str, tmp_path, mode: str) -> dict[str, torch.Tensor]:
     from esrl.rollout import RolloutConfig
 
     module = ESModule(PolicyConfig(name_or_path=model, dtype="bfloat16"),
-                      RolloutConfig(max_new_tokens=140, max_batch_size=6),  # compile: auto, on for CUDA
+                      RolloutConfig(max_new_tokens=140, max_batch_size=6, compile=compile),  # auto: on for CUDA
                       ESConfig(population_size=4, sigma=0.01, alpha=0.01, seed=3, mode=mode, lora_rank=4))
     data = PromptDataModule("conciseness", {"train_path": str(FIXTURES / "conciseness_train3.jsonl"),
                                             "eval_path": str(FIXTURES / "conciseness_eval2.jsonl")},
@@ -66,11 +66,12 @@ def _fit(model: str, tmp_path, mode: str) -> dict[str, torch.Tensor]:
     return {n: p.detach().cpu().clone() for n, p in module.policy.named_parameters()}
 
 
-@pytest.mark.parametrize("mode", ["full", "lowrank", "lora"])
-def test_two_es_fits_give_identical_weights(qwen, tmp_path, mode):
+@pytest.mark.parametrize(("mode", "compile"), [("full", "auto"), ("lowrank", "auto"), ("lora", "auto"),
+                                              ("lowrank", "fused")])
+def test_two_es_fits_give_identical_weights(qwen, tmp_path, mode, compile):
     if mode == "lora":
         pytest.importorskip("peft")
-    a, b = _fit(qwen, tmp_path / "a", mode), _fit(qwen, tmp_path / "b", mode)
+    a, b = _fit(qwen, tmp_path / "a", mode, compile), _fit(qwen, tmp_path / "b", mode, compile)
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:3]
 
@@ -127,7 +128,7 @@ def test_batched_lowrank_equals_member_by_member_within_bf16(qwen):
                 (float(error), float(single_error), float(effect), float(exact.norm()))
 
 
-def test_compiled_and_eager_engines_give_the_same_greedy_tokens_in_fp32(tmp_path):
+def test_compiled_fused_and_eager_engines_give_the_same_greedy_tokens_in_fp32(tmp_path):
     from esrl.models import load_causal_lm, load_tokenizer
     from esrl.rollout import HFEngine
 
@@ -135,10 +136,11 @@ def test_compiled_and_eager_engines_give_the_same_greedy_tokens_in_fp32(tmp_path
     model, tok = load_causal_lm(path).cuda(), load_tokenizer(path)
     want = [c.token_ids for c in HFEngine(model, tok, compile="off").generate(PROMPTS, max_new_tokens=40,
                                                                                 min_new_tokens=40)]
-    compiled = HFEngine(model, tok, compile="auto")
-    assert compiled.capabilities.static_shapes
-    for _ in range(2):
-        assert [c.token_ids for c in compiled.generate(PROMPTS, max_new_tokens=40, min_new_tokens=40)] == want
+    for compile in ("auto", "fused"):  # recorded; torch.compile'd, then recorded
+        compiled = HFEngine(model, tok, compile=compile)
+        assert compiled.capabilities.static_shapes
+        for _ in range(2):
+            assert [c.token_ids for c in compiled.generate(PROMPTS, max_new_tokens=40, min_new_tokens=40)] == want
 
 
 @pytest.mark.parametrize("rank,factor_dtype", [(1, torch.bfloat16), (2, torch.bfloat16), (8, torch.float32)])

@@ -3,7 +3,10 @@
 # floor, lowrank, lora, a single member's generate and full mode), then configs/es_conciseness.yaml end to end.
 # Steps run in order of priority, each under its own time limit; everything lands in $OUT.
 #
-#   device run (carry .whl .gpu):  bash benchmarks/gpu/issue15.sh [steps]   steps: profile,tests,bench1,bench2,e2e
+#   device run (carry .whl .gpu):  bash benchmarks/gpu/issue15.sh [steps]   steps: profile,tests,bench1,bench2,fused,e2e
+# E2E_ARGS adds esrl fit flags to e2e (e.g. "--model.rollout.compile fused").
+# fused: floor, lowrank and lora with rollout.compile: fused (the step torch.compile'd, then recorded) beside the
+# recorded-only path, in one call each so their ratios are side by side.
 # .whl holds the wheels the GPU image lacks (jsonargparse, docstring-parser, typeshed-client); .gpu/tok the
 # embedded model's config and tokenizer files (no weights).
 set -uo pipefail
@@ -30,6 +33,11 @@ fi
 if has bench2; then
   (cd benchmarks && timeout 240 python3 es_throughput.py $BENCH --modes lora,single,full --compile on --repeats 2 --full-members 3 2>&1 | tee "$OUT/bench_compiled2.log" | grep '^{')
 fi
+if has fused; then
+  for c in on fused; do
+    (cd benchmarks && timeout 280 python3 es_throughput.py $BENCH --modes floor,lowrank,lora --compile $c --repeats 2 2>&1 | tee "$OUT/bench_$c.log" | grep '^{')
+  done
+fi
 if has e2e; then
   python3 - <<'PY'
 import os, torch, sys
@@ -49,7 +57,7 @@ PY
     prof=""; [ -n "${E2E_PROFILE:-}" ] && prof="-m cProfile -o $OUT/e2e_$mode.prof"
     timeout 200 python3 $prof -m esrl.cli fit --config configs/es_conciseness.yaml --model.policy.name_or_path /tmp/qwen15b \
       --model.es.mode $mode --trainer.max_steps $steps --trainer.default_root_dir /tmp/e2e_$mode \
-      --trainer.enable_progress_bar false 2>&1 | grep -v -i warn | tail -6
+      --trainer.enable_progress_bar false ${E2E_ARGS:-} 2>&1 | grep -v -i warn | tail -6
     f=$(ls /tmp/e2e_$mode/lightning_logs/version_*/metrics.csv 2>/dev/null | head -1)
     [ -n "$f" ] && cp "$f" "$OUT/e2e_${mode}_metrics.csv"
     [ -n "$prof" ] && python3 -c "import pstats; pstats.Stats('$OUT/e2e_$mode.prof').sort_stats('tottime').print_stats(25)" | tail -40

@@ -43,8 +43,8 @@ class PolicyModule(L.LightningModule):
         require(self.rollout_config.max_new_tokens >= 1, "model.rollout.max_new_tokens", "must be >= 1")
         require(self.rollout_config.max_batch_size >= 1, "model.rollout.max_batch_size", "must be >= 1")
         require(self.rollout_config.temperature > 0, "model.rollout.temperature", "must be > 0")
-        require(self.rollout_config.compile in ("auto", "on", "off"), "model.rollout.compile",
-                f"choose auto, on or off, got {self.rollout_config.compile!r}")
+        require(self.rollout_config.compile in ("auto", "on", "fused", "off"), "model.rollout.compile",
+                f"choose auto, on, fused or off, got {self.rollout_config.compile!r}")
         require(self.rollout_config.prompt_bucket >= 1, "model.rollout.prompt_bucket", "must be >= 1")
         require(0 < self.rollout_config.top_p <= 1, "model.rollout.top_p", "must be in (0, 1]")
         # Fail before any training starts, with the places esrl looked, if the model cannot be found.

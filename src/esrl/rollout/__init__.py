@@ -10,7 +10,7 @@ def engine_capabilities(config: RolloutConfig, adapters: AdapterSpec | None = No
     """What `build_engine(config, ..., adapters=adapters)` will be able to do, known before it is built."""
     if config.engine == "hf":  # static_shapes (compile: auto) is known once the policy sits on its device
         return EngineCapabilities(shares_policy_weights=True, row_adapters=False, sleeps=False,
-                                  static_shapes=config.compile == "on")
+                                  static_shapes=config.compile in ("on", "fused"))
     if config.engine == "vllm":
         from esrl.rollout.vllm import VLLMEngine
 

@@ -29,11 +29,13 @@ class RolloutConfig:
     """Most sequences in one generate call; larger requests are split into chunks."""
     stop: list[str] = field(default_factory=list)
     """Extra stop strings, added to the task's own."""
-    compile: Literal["auto", "on", "off"] = "auto"
+    compile: Literal["auto", "on", "fused", "off"] = "auto"
     """engine hf: decode with a static KV cache and one decode step recorded as a CUDA graph on GPUs (run
     eagerly on CPUs; esrl.rollout.static_decode), recorded once per (rows, prompt-length bucket, new tokens,
     sampling kind) and reused by every later call; the first call of each shape logs its time. auto: on when the
-    policy is on a CUDA device (sdpa full-attention models; others use generate)."""
+    policy is on a CUDA device (sdpa full-attention models; others use generate). fused: on, with the step
+    torch.compile'd before it is recorded (fewer, fused kernels per token; a compile per shape, tens of seconds;
+    not the default until measured faster on a GPU: benchmarks/gpu/issue15.sh fused)."""
     prompt_bucket: int = 64
     """compile: prompts are left-padded to a multiple of this many tokens, so iterations whose prompts differ
     in length still share one recorded decode step."""

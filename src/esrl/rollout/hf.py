@@ -51,7 +51,7 @@ class HFEngine(RolloutEngine):
     def compiled(self) -> bool:
         """Whether generate takes the compiled static-cache path (decided where the policy is now: Lightning
         moves it to its device after the engine is built)."""
-        return self.compile == "on" or (self.compile == "auto" and self.model.device.type == "cuda")
+        return self.compile in ("on", "fused") or (self.compile == "auto" and self.model.device.type == "cuda")
 
     @property
     def capabilities(self) -> EngineCapabilities:
@@ -102,7 +102,7 @@ class HFEngine(RolloutEngine):
                 del self._decoders[next(iter(self._decoders))]  # least recently used
             decoder = StaticDecoder(self.model, key, eos_token_ids=[self.tokenizer.eos_token_id],
                                     pad_token_id=self.tokenizer.pad_token_id,
-                                    attention=rollout_attention)
+                                    attention=rollout_attention, fuse=self.compile == "fused")
         self._decoders[key] = decoder
         return decoder
 
