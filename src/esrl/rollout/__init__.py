@@ -8,7 +8,7 @@ from esrl.rollout.text import cut_at_stop, render_prompts
 
 def engine_capabilities(config: RolloutConfig, adapters: AdapterSpec | None = None) -> EngineCapabilities:
     """What `build_engine(config, ..., adapters=adapters)` will be able to do, known before it is built."""
-    if config.engine == "hf":  # static_shapes (compile: auto) is known once the policy sits on its device
+    if config.engine == "hf":  # static_shapes (compile: auto: recorded on CUDA only) is known once it is placed
         return EngineCapabilities(shares_policy_weights=True, row_adapters=False, sleeps=False,
                                   static_shapes=config.compile in ("on", "fused"))
     if config.engine == "vllm":

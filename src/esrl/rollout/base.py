@@ -33,7 +33,9 @@ class RolloutConfig:
     """engine hf: decode with a static KV cache and one decode step recorded as a CUDA graph on GPUs (run
     eagerly on CPUs; esrl.rollout.static_decode), recorded once per (rows, prompt-length bucket, new tokens,
     sampling kind) and reused by every later call; the first call of each shape logs its time. auto: on when the
-    policy is on a CUDA device (sdpa full-attention models; others use generate). fused: on, with the step
+    policy is on a CUDA device (sdpa full-attention models; others use generate); elsewhere greedy calls without
+    stop strings run the same step loop eagerly (no recording, no prompt bucket, no fixed chunk sizes: faster than
+    generate on a CPU, same tokens) and the rest use generate. fused: on, with the step
     torch.compile'd before it is recorded (fewer, fused kernels per token; a compile per shape, tens of seconds;
     not the default until measured faster on a GPU: benchmarks/gpu/issue15.sh fused)."""
     prompt_bucket: int = 64

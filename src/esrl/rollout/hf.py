@@ -1,6 +1,6 @@
 """Batched generation with transformers: left padding, greedy or sampled, stop strings, an optional compiled
 decode path (a static KV cache and one decode step recorded as a CUDA graph on GPUs, where eager decoding is
-launch-bound; rollout/static_decode.py)."""
+launch-bound; rollout/static_decode.py). With compile: auto on a CPU, greedy calls run that step loop eagerly."""
 
 from __future__ import annotations
 
@@ -53,6 +53,15 @@ class HFEngine(RolloutEngine):
         moves it to its device after the engine is built)."""
         return self.compile in ("on", "fused") or (self.compile == "auto" and self.model.device.type == "cuda")
 
+    def _static_eager(self, greedy: bool, stop: Sequence[str]) -> bool:
+        """compile: auto off CUDA: greedy rows without stop strings still take the static-cache step loop, run
+        eagerly (no graph, no prompt bucket, no fixed chunk sizes). On a 2-core CPU it beats generate's step by
+        ~30% (60 rows x 100 tokens: no DynamicCache concatenation, no repeat_kv copy of K/V per query head, no
+        logits processors; benchmarks/RESULTS.md, session 7) with the same tokens (tests/test_compiled_decode.py).
+        Sampled rows keep generate and its random stream; stop strings keep its early end."""
+        return (self.compile == "auto" and not self.compiled and greedy and not stop
+                and supports_static_decode(self.model))
+
     @property
     def capabilities(self) -> EngineCapabilities:
         return EngineCapabilities(shares_policy_weights=True, row_adapters=False, sleeps=False,
@@ -91,14 +100,16 @@ class HFEngine(RolloutEngine):
                  population: bool) -> StaticDecoder:
         """The StaticDecoder of this shape and sampling kind, recorded anew if hooks or weight storage changed
         (a population's hooks act only inside generate_population, so its steps are recorded apart)."""
-        key = DecodeKey(rows, prompt_len, new_tokens, not greedy, not greedy and top_p < 1.0, population,
-                        module_context(self.model))
+        recorded = self.compiled  # else eager steps: nothing baked in, one decoder (its cache) kept at a time
+        context = module_context(self.model) if recorded else ("eager", self.model.device, self.model.dtype)
+        key = DecodeKey(rows, prompt_len, new_tokens, not greedy, not greedy and top_p < 1.0,
+                        population and recorded, context)
         decoder = self._decoders.pop(key, None)
         if decoder is None:
             stale = [k for k in self._decoders if k.context != key.context]
             for k in stale:  # their graphs read hooks or weights that are gone
                 del self._decoders[k]
-            while len(self._decoders) >= self.max_shapes:
+            while len(self._decoders) >= (self.max_shapes if recorded else 1):
                 del self._decoders[next(iter(self._decoders))]  # least recently used
             decoder = StaticDecoder(self.model, key, eos_token_ids=[self.tokenizer.eos_token_id],
                                     pad_token_id=self.tokenizer.pad_token_id,
@@ -110,13 +121,14 @@ class HFEngine(RolloutEngine):
                         min_new_tokens=None, population=False) -> list[Completion]:
         tok = self.tokenizer
         compiled = self.compiled and supports_static_decode(self.model)
+        static = compiled or self._static_eager(greedy, stop)
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False,
                   pad_to_multiple_of=self.prompt_bucket if compiled else None).to(self.model.device)
         was_training = self.model.training
         self.model.eval()
         start = time.perf_counter()
         try:
-            if compiled:
+            if static:
                 ids, mask = enc["input_ids"], enc["attention_mask"]
                 if n > 1:
                     ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
@@ -125,7 +137,7 @@ class HFEngine(RolloutEngine):
                 first = decoder.calls == 0
                 new = decoder.generate(ids, mask, temperature=temperature, top_p=top_p,
                                        min_new_tokens=min_new_tokens or 0).tolist()
-                if first:
+                if first and compiled:
                     self.compile_log.append((shape, time.perf_counter() - start))
             else:
                 new = self._hf_generate(enc, max_new_tokens, greedy, temperature, top_p, stop, n, min_new_tokens)
