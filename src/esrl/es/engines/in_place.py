@@ -3,7 +3,8 @@
 A member of a sequential mode perturbs the policy's tensors in place and is restored from a backup (bit-exact);
 a chunk of a batched mode runs as the mode's forward hooks on the policy, one row per (member, prompt). On an
 engine with static shapes (compiled decoding) the hooks are the mode's StaticPopulation, installed at the first
-chunk and kept for the run, so every compiled graph carries them (esrl.es.static_population).
+chunk and kept for the run, so every compiled graph carries them (esrl.es.static_population); modes whose static
+population is also the faster eager one (lora) use it on every engine.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ class InPlaceES(ESBackend):
         self.static = None  # the mode's StaticPopulation, once the engine decodes compiled
 
     def row_weights(self, members: Sequence[Member]) -> RowWeights:
-        if self.engine.capabilities.static_shapes:
+        if self.engine.capabilities.static_shapes or self.mode.static_population_eager:
             if self.static is None:
                 self.static = self.mode.static_population(self.policy, self.selection, self.spec)
             self.static.load(members)

@@ -28,6 +28,9 @@ class NoiseMode:
     batched: ClassVar[bool] = False
     """True: members run in chunks, each chunk one batched generation (`population` / `member_adapters`);
     False: member by member with the weights perturbed in place (`direction`)."""
+    static_population_eager: ClassVar[bool] = False
+    """True: its `static_population` also beats `population` without compiled decoding (the HF engine uses it
+    whenever it generates with the policy itself)."""
 
     def validate(self, cfg) -> None:
         """Mode-specific checks of an ESConfig (raise esrl.errors.ConfigError naming the field)."""
