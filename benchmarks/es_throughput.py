@@ -138,7 +138,7 @@ def worker(mode: str, args) -> dict:
     engine = HFEngine(model, tok, max_batch_size=n * p, compile=args.compile)
     gen = dict(max_new_tokens=t, min_new_tokens=t)
     members = population(0, 0, n)
-    if args.compile == "off":
+    if not engine.compiled:
         engine.generate(prompts, max_new_tokens=2, greedy=True)  # warm-up (first-call allocations)
     result = {"mode": mode, "compile": args.compile}
 
@@ -193,7 +193,7 @@ def worker(mode: str, args) -> dict:
         perturber = Perturber(sel)
         k = min(args.full_members, n)
         fitness = []
-        if args.compile != "off":  # the compile is not a member's cost
+        if engine.compiled:  # the compile is not a member's cost
             engine.generate(prompts, greedy=True, **gen)
         with PeakRSS() as mem:
             start = time.perf_counter()
@@ -237,8 +237,9 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct",
                     help="an esrl model id or path, or random:qwen2.5-1.5b (that architecture, random weights)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--compile", default="off", choices=["off", "on", "fused"],
-                    help="the HF engine's compiled decode path (rollout.compile); the first call compiles, the "
+    ap.add_argument("--compile", default="auto",
+                    help="the HF engine's rollout.compile: off, auto, on or fused, or several (off,auto): each mode "
+                         "runs under each, interleaved, with a ratio line; the first call compiles, the "
                          "best of --repeats is reported")
     ap.add_argument("--tokenizer", default="smollm2-135m-instruct", help="tokenizer id or folder")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
@@ -261,22 +262,41 @@ def main() -> None:
                "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                "model": args.model, "dtype": args.dtype}
     print(json.dumps({"machine": machine}))
-    results = {}
     passthrough = [f"--members={args.members}", f"--new-tokens={args.new_tokens}", f"--rank={args.rank}", f"--lora-rank={args.lora_rank}",
                    f"--repeats={args.repeats}", f"--full-members={args.full_members}",
                    f"--prompts={args.prompts}", f"--model={args.model}", f"--device={args.device}",
-                   f"--dtype={args.dtype}", f"--compile={args.compile}", f"--tokenizer={args.tokenizer}"]
+                   f"--dtype={args.dtype}", f"--tokenizer={args.tokenizer}"]
+    compiles = args.compile.split(",")
+    by_compile: dict[str, dict] = {c: {} for c in compiles}
     for mode in args.modes.split(",") if "hf" in args.engines.split(",") else []:
-        out = subprocess.run([sys.executable, __file__, "--worker", mode, *passthrough], capture_output=True,
-                             text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-        line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-        if out.returncode != 0 or line is None:
-            sys.exit(f"{mode} failed:\n{out.stderr[-3000:]}")
-        results[mode] = json.loads(line[len("RESULT "):])
-        print(json.dumps(results[mode]), flush=True)
+        for c in compiles:  # interleaved, so a noisy spell of the machine hits the compile values alike
+            out = subprocess.run([sys.executable, __file__, "--worker", mode, f"--compile={c}", *passthrough],
+                                 capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+            line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if out.returncode != 0 or line is None:
+                sys.exit(f"{mode} (compile {c}) failed:\n{out.stderr[-3000:]}")
+            by_compile[c][mode] = json.loads(line[len("RESULT "):])
+            print(json.dumps(by_compile[c][mode]), flush=True)
+    for c in compiles:
+        print(json.dumps(summarize(by_compile[c], args, c, machine)))
+    if len(compiles) > 1:  # each mode's time under every compile value over its time under the first
+        first = by_compile[compiles[0]]
+        print(json.dumps({"benchmark": "es_throughput_compile", "baseline": compiles[0],
+                          **{f"{m}_{c}_over_{compiles[0]}": round(by_compile[c][m]["seconds"] / r["seconds"], 3)
+                             for c in compiles[1:] for m, r in first.items() if m in by_compile[c]}}))
+    results = by_compile[compiles[0]]
+    if "vllm" in args.engines.split(","):
+        vllm = es_throughput_vllm.run(args)
+        both = es_throughput_vllm.summary(vllm, args)
+        both.update({f"vllm_over_hf_{m}_time": round(vllm[m]["seconds"] / results[m]["seconds"], 3)
+                     for m in vllm if m in results})
+        print(json.dumps(both))
+
+
+def summarize(results: dict, args, compile: str, machine: dict) -> dict:
+    """The ratio line of one compile value's modes."""
     summary = {"benchmark": "es_throughput", "members": args.members, "prompts": args.prompts,
-               "new_tokens": args.new_tokens, "compile": args.compile,
-               **machine}
+               "new_tokens": args.new_tokens, "compile": compile, **machine}
     if "floor" in results and "lowrank" in results:
         summary["lowrank_over_floor_time"] = round(results["lowrank"]["seconds"] / results["floor"]["seconds"], 3)
         summary["lowrank_over_floor_peak_rss"] = round(
@@ -294,13 +314,7 @@ def main() -> None:
         summary["full_extrapolated"] = True
     summary.update({f"{m}_s": r["seconds"] for m, r in results.items()})
     summary.update({f"{m}_peak_rss_mb": r["peak_rss_mb"] for m, r in results.items()})
-    print(json.dumps(summary))
-    if "vllm" in args.engines.split(","):
-        vllm = es_throughput_vllm.run(args)
-        both = es_throughput_vllm.summary(vllm, args)
-        both.update({f"vllm_over_hf_{m}_time": round(vllm[m]["seconds"] / results[m]["seconds"], 3)
-                     for m in vllm if m in results})
-        print(json.dumps(both))
+    return summary
 
 
 def _cpu_model() -> str:
