@@ -57,7 +57,7 @@ ES_FIELDS = LoraFields(switch="model.es.mode: lora", rank="model.es.lora_rank", 
 class LoraMode(NoiseMode):
     name = "lora"
     batched = True
-    static_population_eager = True  # one adapter term per linear, PEFT's off: 1.2x faster on a CPU (RESULTS, s. 7)
+    static_population_eager = True  # one adapter term per linear, PEFT's off: fewer ops (RESULTS, session 7)
 
     def validate(self, cfg) -> None:
         shared.validate_options(lora_options(cfg), ES_FIELDS)
