@@ -267,6 +267,8 @@ def main() -> None:
                    f"--prompts={args.prompts}", f"--model={args.model}", f"--device={args.device}",
                    f"--dtype={args.dtype}", f"--tokenizer={args.tokenizer}"]
     compiles = args.compile.split(",")
+    if not set(compiles) <= {"off", "auto", "on", "fused"}:
+        ap.error(f"--compile: off, auto, on or fused (comma-separated), got {args.compile!r}")
     by_compile: dict[str, dict] = {c: {} for c in compiles}
     for mode in args.modes.split(",") if "hf" in args.engines.split(",") else []:
         for c in compiles:  # interleaved, so a noisy spell of the machine hits the compile values alike

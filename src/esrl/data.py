@@ -96,16 +96,12 @@ class PromptDataModule(L.LightningDataModule):
         if self.trainer is not None and self.trainer.distributed_sampler_kwargs:
             kwargs = {k: self.trainer.distributed_sampler_kwargs[k] for k in ("num_replicas", "rank")}
         n, replicas = len(self.task.train_rows), kwargs["num_replicas"]
-        require(self.prompts_per_step <= -(-n // replicas), "data.prompts_per_step",
-                f"{self.prompts_per_step} prompts per step and process, but {n} training prompts over {replicas} "
-                f"processes give each only {-(-n // replicas)}")
         micro_batches = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
-        batch_size = self.prompts_per_step * micro_batches
-        if micro_batches > 1:
-            require(batch_size <= -(-n // replicas), "data.prompts_per_step",
-                    f"{self.prompts_per_step} prompts per micro-batch x trainer.accumulate_grad_batches "
-                    f"{micro_batches} = {batch_size} prompts per optimizer step and process, but {n} training "
-                    f"prompts over {replicas} processes give each only {-(-n // replicas)}")
+        batch_size = self.prompts_per_step * micro_batches  # an optimizer step's prompts on this process
+        accumulated = f" x trainer.accumulate_grad_batches {micro_batches}" if micro_batches > 1 else ""
+        require(batch_size <= -(-n // replicas), "data.prompts_per_step",
+                f"{self.prompts_per_step} prompts per step{accumulated} and process, but {n} training prompts "
+                f"over {replicas} processes give each only {-(-n // replicas)}")
         self._sampler = PromptSampler(n, self.shuffle, self.seed, **kwargs, window_size=batch_size,
                                       window_repeats=micro_batches)
         if self._resume is not None:

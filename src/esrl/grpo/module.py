@@ -191,8 +191,9 @@ class GRPOModule(PolicyModule):
         micro_batch = batch_idx % accumulate
         if micro_batch == 0:
             self._step_loss = 0.0
-        if (micro_batch == 0 and self.global_step % self.grpo.num_iterations == 0) or micro_batch >= len(self._rollouts):
-            self.roll_out_window(batch, micro_batch)  # a resumed run may start mid-window: from there on
+        window_start = micro_batch == 0 and self.global_step % self.grpo.num_iterations == 0
+        if window_start or micro_batch >= len(self._rollouts):  # a resumed run may start mid-window: from there on
+            self.roll_out_window(batch, micro_batch)
         rollout = self._rollouts[micro_batch]
 
         logps = per_token_logps(self.policy, rollout.input_ids, rollout.attention_mask,
@@ -215,7 +216,8 @@ class GRPOModule(PolicyModule):
                               "batches holding the whole window's prompts (esrl.data.PromptDataModule serves them); "
                               f"got a batch of {len(rows)} prompts for {batch.get('micro_batches', 1)} micro-batches")
         size = len(rows) // accumulate
-        self._rollouts[first:] = [self.make_rollout(rows[k * size:(k + 1) * size], k) for k in range(first, accumulate)]
+        self._rollouts[first:] = [self.make_rollout(rows[k * size:(k + 1) * size], k)
+                                  for k in range(first, accumulate)]
         if self.grpo.loss_type in GLOBAL_TOKEN_LOSSES:  # TRL's num_items_in_batch: each count is all-reduced
             self._num_items = torch.stack([r.num_tokens for r in self._rollouts[first:]]).sum()
 

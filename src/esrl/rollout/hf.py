@@ -53,14 +53,6 @@ class HFEngine(RolloutEngine):
         moves it to its device after the engine is built)."""
         return self.compile in ("on", "fused") or (self.compile == "auto" and self.model.device.type == "cuda")
 
-    def _static_eager(self, greedy: bool, stop: Sequence[str]) -> bool:
-        """compile: auto off CUDA: greedy rows without stop strings still take the static-cache step loop, run
-        eagerly (no graph, no prompt bucket, no fixed chunk sizes). On a 2-core CPU it beats generate's step by
-        ~30% (60 rows x 100 tokens: no DynamicCache concatenation, no repeat_kv copy of K/V per query head, no
-        logits processors; benchmarks/RESULTS.md, session 7) with the same tokens (tests/test_compiled_decode.py).
-        Sampled rows keep generate and its random stream; stop strings keep its early end."""
-        return (self.compile == "auto" and not self.compiled and greedy and not stop
-                and supports_static_decode(self.model))
 
     @property
     def capabilities(self) -> EngineCapabilities:
@@ -120,8 +112,13 @@ class HFEngine(RolloutEngine):
     def _generate_chunk(self, texts, max_new_tokens, greedy, temperature, top_p, stop, n,
                         min_new_tokens=None, population=False) -> list[Completion]:
         tok = self.tokenizer
-        compiled = self.compiled and supports_static_decode(self.model)
-        static = compiled or self._static_eager(greedy, stop)
+        supported = supports_static_decode(self.model)
+        compiled = self.compiled and supported
+        # compile: auto off CUDA: greedy rows without stop strings still take the static step loop, eagerly (no
+        # graph, no prompt bucket, no fixed chunk sizes): on a 2-core CPU 0.75x generate's time for ES's rows (no
+        # DynamicCache concatenation, no repeat_kv copies, no logits processors; RESULTS.md session 7), the same
+        # tokens. Sampled rows keep generate and its random stream; stop strings keep its early end.
+        static = compiled or (supported and self.compile == "auto" and greedy and not stop)
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False,
                   pad_to_multiple_of=self.prompt_bucket if compiled else None).to(self.model.device)
         was_training = self.model.training
