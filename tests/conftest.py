@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cli_runner import ESRL, run_esrl, stop_server  # noqa: F401 (run_esrl and ESRL: for the tests)
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures"
-ESRL = [sys.executable, "-m", "esrl.cli"]
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
@@ -70,11 +68,10 @@ def write_tiny_config(path: Path, model: str, *, seed: int = 3, prompts_per_step
     return path
 
 
-def run_esrl(*args: str, timeout: float = 300, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """Run the real CLI in a fresh process (as a user would), capturing its output."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([*ESRL, *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=cwd,
-                          env=env)
+@pytest.fixture(scope="session", autouse=True)
+def _cli_server():
+    yield
+    stop_server()
 
 
 def fit_final(config: Path, root: Path, *extra: str) -> Path:

@@ -1,0 +1,79 @@
+"""Run the real `esrl` CLI in its own process per call, without paying its imports every time.
+
+Every `python -m esrl.cli` spends ~8 s importing torch, transformers and Lightning before it reads its first
+argument (on the 2-core CI machine: ~45 calls, ~6 minutes of the suite). tests/cli_server.py imports esrl.cli once
+and forks a child per call: still a process of its own, with the call's argv, working directory, environment,
+stdout, stderr, exit code and process group. Only one thing differs from a fresh interpreter: the modules were
+imported before the call's environment was set. So a call whose environment differs from the server's in
+anything but the variables below (read when used, never at import) runs as a plain subprocess, and
+ESRL_TEST_FORK=0 runs every call that way (to check that both give the same results).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVER = Path(__file__).with_name("cli_server.py")
+ESRL = [sys.executable, "-m", "esrl.cli"]
+READ_WHEN_USED = ("ESRL_", "PYTEST_CURRENT_TEST", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+_lock = threading.Lock()
+_server: dict = {}  # "proc", "env" once started
+
+
+def _base_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def _start() -> subprocess.Popen | None:
+    """The server, started at the first call (None when forking is switched off or it failed to start)."""
+    if "proc" not in _server:
+        proc = None
+        if os.environ.get("ESRL_TEST_FORK", "1") != "0":
+            env = _base_env()
+            proc = subprocess.Popen([sys.executable, "-u", str(SERVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    text=True, cwd=ROOT, env=env)
+            if "ready" not in json.loads(proc.stdout.readline() or '{"failed": 1}'):
+                proc.kill()
+                proc = None
+            _server["env"] = env
+        _server["proc"] = proc
+    return _server["proc"]
+
+
+def _forkable(env: dict[str, str]) -> bool:
+    base = _server["env"]
+    return all(k.startswith(READ_WHEN_USED) for k in set(env) | set(base) if env.get(k) != base.get(k))
+
+
+def run_esrl(*args, timeout: float = 300, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """`esrl *args` in a process of its own, as a user would run it, capturing its output."""
+    argv, env = [str(a) for a in args], _base_env()
+    with _lock:
+        server = _start()
+        if server is None or server.poll() is not None or not _forkable(env):
+            return subprocess.run([*ESRL, *argv], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
+        with tempfile.TemporaryDirectory() as tmp:
+            out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+            request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err),
+                       "timeout": timeout}
+            server.stdin.write(json.dumps(request) + "\n")
+            server.stdin.flush()
+            reply = json.loads(server.stdout.readline())
+            stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
+    if reply["timed_out"]:
+        raise subprocess.TimeoutExpired([*ESRL, *argv], timeout, stdout, stderr)
+    return subprocess.CompletedProcess([*ESRL, *argv], reply["returncode"], stdout, stderr)
+
+
+def stop_server() -> None:
+    proc = _server.get("proc")
+    if proc is not None and proc.poll() is None:
+        proc.stdin.close()
+        proc.wait(timeout=30)
