@@ -65,7 +65,10 @@ def run_esrl(*args, timeout: float = 300, cwd: Path = ROOT) -> subprocess.Comple
                        "timeout": timeout}
             server.stdin.write(json.dumps(request) + "\n")
             server.stdin.flush()
-            reply = json.loads(server.stdout.readline())
+            line = server.stdout.readline()
+            if not line:  # the server died mid-call: say so, not a JSON error
+                raise RuntimeError(f"tests/cli_server.py exited ({server.wait()}) while running esrl {' '.join(argv)}")
+            reply = json.loads(line)
             stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
     if reply["timed_out"]:
         raise subprocess.TimeoutExpired([*ESRL, *argv], timeout, stdout, stderr)

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_runner import ESRL, run_esrl, stop_server  # noqa: F401 (run_esrl and ESRL: for the tests)
+from cli_runner import ESRL, ROOT, run_esrl, stop_server  # noqa: F401 (ESRL, ROOT, run_esrl: for the tests)
 
-ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures"
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -53,7 +53,6 @@ class HFEngine(RolloutEngine):
         moves it to its device after the engine is built)."""
         return self.compile in ("on", "fused") or (self.compile == "auto" and self.model.device.type == "cuda")
 
-
     @property
     def capabilities(self) -> EngineCapabilities:
         return EngineCapabilities(shares_policy_weights=True, row_adapters=False, sleeps=False,
