@@ -14,6 +14,13 @@ Each mode runs in its own fresh process (so the peak-RSS figures do not mix):
            all 30 members on a laptop CPU: `--full-members K` members are timed and the per-member mean is
            extrapolated to N (said so in the output); the update (30 full-size noise regenerations) is run for real.
 
+Side by side (`--rounds R`): all --modes in ONE process instead, each on its own model copy, one unit of each per
+round in a rotated order, R rounds; prints each mode's times, and its time over the first mode's (median of the
+per-round ratios, and best over best). On a shared machine whose speed drifts by 10-50% between minutes (this
+project's 2-core VM), only these ratios are comparable to a 1.10x target; the per-process runs give memory.
+
+    .venv/bin/python benchmarks/es_throughput.py --modes floor,lowrank,lora --rounds 3
+
 Memory: `peak_rss_mb` is the process's RSS high-water mark (resource.getrusage, includes the model);
 `peak_delta_mb` is the highest RSS sampled every 2 ms by a thread during the timed phase minus the RSS
 just before it (psutil).
@@ -121,7 +128,12 @@ def timed_floor(engine, prompts, n: int, repeats: int, gen: dict) -> tuple[list[
     return times, sum(len(c.token_ids) for c in out)
 
 
-def worker(mode: str, args) -> dict:
+def prepare(mode: str, args) -> tuple[object, callable]:
+    """(engine, unit) for one mode on its own model copy: `unit()` runs one timed unit and returns (seconds,
+    tokens, extra fields). floor/single: a plain batched generate of N x P (single: P) rows; lowrank/lora: one whole
+    population-batched iteration as ESModule runs it on the HF engine (its InPlaceES backend: per-chunk hooks
+    eager, the mode's StaticPopulation compiled): ONE generate, rewards, the update; full: `--full-members`
+    members one by one (perturb, generate, restore), the per-member mean extrapolated to N, plus the real update."""
     from esrl.es import NoiseSpec, Perturber, es_step, get_mode, lowrank_selection, population, select_params, \
         shape_fitness
     from esrl.es.engines import InPlaceES
@@ -140,62 +152,61 @@ def worker(mode: str, args) -> dict:
     members = population(0, 0, n)
     if not engine.compiled:
         engine.generate(prompts, max_new_tokens=2, greedy=True)  # warm-up (first-call allocations)
-    result = {"mode": mode, "compile": args.compile}
 
     def rewards_of(completions_per_member):
         return [sum(task.rewards(rows, [c.text for c in cs])) / p for cs in completions_per_member]
 
-    def timed_iterations(sel, spec, noise_mode):
-        """`args.repeats` whole population-batched iterations as ESModule runs them on the HF engine (its InPlaceES
-        backend: per-chunk hooks eager, the mode's StaticPopulation compiled): one generate, rewards, the update."""
+    def plain(rows_prompts):
+        def unit():
+            start = time.perf_counter()
+            out = engine.generate(rows_prompts, greedy=True, **gen)
+            return time.perf_counter() - start, sum(len(c.token_ids) for c in out), {}
+        return unit
+
+    def iteration(sel, spec, noise_mode, extra: dict):
         opt = torch.optim.SGD(sel.params, lr=1e-3)
         backend = InPlaceES(engine, model, sel, spec, noise_mode)
-        times, split, out = [], {}, None
-        for _ in range(args.repeats):
+
+        def unit():
             start = time.perf_counter()
             out = engine.generate_population(prompts, n, backend.row_weights(members), **gen)
             t_gen = time.perf_counter()
             es_step(opt, sel, members, shape_fitness(torch.tensor(rewards_of(out))), spec)
-            times.append(time.perf_counter() - start)
-            split = {"generate_s": round(t_gen - start, 2), "update_s": round(time.perf_counter() - t_gen, 2)}
-        return times, split, out
+            end = time.perf_counter()
+            return end - start, sum(len(c.token_ids) for cs in out for c in cs), {
+                "generate_s": round(t_gen - start, 2), "update_s": round(end - t_gen, 2), **extra}
+        return unit
 
     if mode == "floor":
-        with PeakRSS() as mem:
-            times, tokens = timed_floor(engine, prompts, n, args.repeats, gen)
-    elif mode == "single":  # one member's rows alone: what a member of full mode costs at best
-        with PeakRSS() as mem:
-            times, tokens = timed_floor(engine, prompts, 1, args.repeats, gen)
-    elif mode == "lowrank":
+        return engine, plain(prompts * n)
+    if mode == "single":  # one member's rows alone: what a member of full mode costs at best
+        return engine, plain(prompts)
+    if mode == "lowrank":
         spec = NoiseSpec(mode="lowrank", sigma=0.01, rank=args.rank)
         sel = lowrank_selection(model, select_params(model), spec)
         for q in model.parameters():
             q.requires_grad_(False)
         for q in sel.params:
             q.requires_grad_(True)
-        with PeakRSS() as mem:
-            times, split, out = timed_iterations(sel, spec, get_mode("lowrank"))
-        tokens = sum(len(c.token_ids) for cs in out for c in cs)
-        result.update(split, rank=args.rank, perturbed_matrices=len(sel))
-    elif mode == "lora":
+        return engine, iteration(sel, spec, get_mode("lowrank"), {"rank": args.rank, "perturbed_matrices": len(sel)})
+    if mode == "lora":
         from esrl.es.config import ESConfig
         from esrl.es.setup import build_policy, build_selection
 
         cfg = ESConfig(mode="lora", sigma=0.01, lora_rank=args.lora_rank, lora_alpha=2 * args.lora_rank)
         peft_model = build_policy(model, cfg, 0)  # injected into `model` in place: the engine generates with it
         sel, spec = build_selection(peft_model, cfg)
-        with PeakRSS() as mem:
-            times, split, out = timed_iterations(sel, spec, get_mode("lora"))
-        tokens = sum(len(c.token_ids) for cs in out for c in cs)
-        result.update(split, lora_rank=args.lora_rank, adapter_tensors=len(sel), adapter_params=sel.numel())
-    elif mode == "full":
+        return engine, iteration(sel, spec, get_mode("lora"), {"lora_rank": args.lora_rank, "adapter_tensors": len(sel),
+                                                               "adapter_params": sel.numel()})
+    if mode == "full":
         sel = select_params(model)
         perturber = Perturber(sel)
         k = min(args.full_members, n)
-        fitness = []
         if engine.compiled:  # the compile is not a member's cost
             engine.generate(prompts, greedy=True, **gen)
-        with PeakRSS() as mem:
+
+        def unit():
+            fitness = []
             start = time.perf_counter()
             for m in members[:k]:
                 with perturber.perturbed(m, 0.01):
@@ -210,12 +221,22 @@ def worker(mode: str, args) -> dict:
             t_up = time.perf_counter()
             es_step(torch.optim.SGD(sel.params, lr=1e-3), sel, members, shape_fitness(torch.tensor(fitness)))
             update = time.perf_counter() - t_up
-        times = [per_member * n + update]
-        tokens = n * p * t
-        result.update(per_member_s=round(per_member, 2), update_s=round(update, 2), members_timed=k,
-                      extrapolated=f"{k} of {n} members timed, per-member mean x {n} + the real update")
-    else:
-        raise ValueError(mode)
+            return per_member * n + update, n * p * t, {
+                "per_member_s": round(per_member, 2), "update_s": round(update, 2), "members_timed": k,
+                "extrapolated": f"{k} of {n} members timed, per-member mean x {n} + the real update"}
+        return engine, unit
+    raise ValueError(mode)
+
+
+def worker(mode: str, args) -> dict:
+    """One mode alone in this process (its peak memory is its own): best of `--repeats` units."""
+    engine, unit = prepare(mode, args)
+    times, split, tokens = [], {}, 0
+    with PeakRSS() as mem:
+        for _ in range(args.repeats if mode != "full" else 1):
+            seconds, tokens, split = unit()
+            times.append(seconds)
+    result = {"mode": mode, "compile": args.compile, **split}
     best = min(times)
     compiles = engine.compile_times()
     if compiles:
@@ -225,6 +246,26 @@ def worker(mode: str, args) -> dict:
                   peak_rss_mb=round(peak_memory_mb(args.device), 1),
                   peak_delta_mb=round(mem.delta_mb, 1))
     return result
+
+
+def side_by_side(modes: list[str], args) -> dict:
+    """All modes in ONE process, each on its own model copy, their units interleaved for `--rounds` rounds (the
+    order rotated each round): a slow spell of a shared machine hits every mode alike. Per mode the best unit;
+    per round each mode's time over the first mode's, and the median of those ratios."""
+    import statistics
+
+    prepared = {m: prepare(m, args) for m in modes}
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    for r in range(args.rounds):
+        for m in modes[r % len(modes):] + modes[:r % len(modes)]:
+            seconds, _, _ = prepared[m][1]()
+            times[m].append(seconds)
+    base = modes[0]
+    return {"benchmark": "es_throughput_side_by_side", "compile": args.compile, "rounds": args.rounds,
+            **{f"{m}_s": [round(x, 2) for x in times[m]] for m in modes},
+            **{f"{m}_over_{base}_median": round(statistics.median(a / b for a, b in zip(times[m], times[base])), 3)
+               for m in modes[1:]},
+            **{f"{m}_over_{base}_best": round(min(times[m]) / min(times[base]), 3) for m in modes[1:]}}
 
 
 def main() -> None:
@@ -251,11 +292,17 @@ def main() -> None:
     import es_throughput_vllm  # the vLLM rows: same setup, their own options (--vllm-modes, --kv-cache-mb, ...)
 
     es_throughput_vllm.add_arguments(ap, shared=False)
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="> 0: instead of one process per mode, all --modes in ONE process (each on its own model "
+                         "copy), their units interleaved for this many rounds: the ratios to use on a shared, noisy "
+                         "machine (no memory figures)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, args)), flush=True)
+        result = (side_by_side(args.modes.split(","), args) if args.worker == "side-by-side"
+                  else worker(args.worker, args))
+        print("RESULT " + json.dumps(result), flush=True)
         return
     machine = {"nproc": os.cpu_count(), "cpu": _cpu_model(), "torch": torch.__version__,
                "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
@@ -269,15 +316,15 @@ def main() -> None:
     compiles = args.compile.split(",")
     if not set(compiles) <= {"off", "auto", "on", "fused"}:
         ap.error(f"--compile: off, auto, on or fused (comma-separated), got {args.compile!r}")
+    if args.rounds > 0:
+        for c in compiles:
+            print(json.dumps(run_worker("side-by-side", c, [*passthrough, f"--modes={args.modes}",
+                                                               f"--rounds={args.rounds}"])), flush=True)
+        return
     by_compile: dict[str, dict] = {c: {} for c in compiles}
     for mode in args.modes.split(",") if "hf" in args.engines.split(",") else []:
         for c in compiles:  # interleaved, so a noisy spell of the machine hits the compile values alike
-            out = subprocess.run([sys.executable, __file__, "--worker", mode, f"--compile={c}", *passthrough],
-                                 capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-            line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if out.returncode != 0 or line is None:
-                sys.exit(f"{mode} (compile {c}) failed:\n{out.stderr[-3000:]}")
-            by_compile[c][mode] = json.loads(line[len("RESULT "):])
+            by_compile[c][mode] = run_worker(mode, c, passthrough)
             print(json.dumps(by_compile[c][mode]), flush=True)
     for c in compiles:
         print(json.dumps(summarize(by_compile[c], args, c, machine)))
@@ -293,6 +340,16 @@ def main() -> None:
         both.update({f"vllm_over_hf_{m}_time": round(vllm[m]["seconds"] / results[m]["seconds"], 3)
                      for m in vllm if m in results})
         print(json.dumps(both))
+
+
+def run_worker(mode: str, compile: str, passthrough: list[str]) -> dict:
+    """One worker process (a mode, or side-by-side) and its RESULT line."""
+    out = subprocess.run([sys.executable, __file__, "--worker", mode, f"--compile={compile}", *passthrough],
+                         capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if out.returncode != 0 or line is None:
+        sys.exit(f"{mode} (compile {compile}) failed:\n{out.stderr[-3000:]}")
+    return json.loads(line[len("RESULT "):])
 
 
 def summarize(results: dict, args, compile: str, machine: dict) -> dict:

@@ -17,6 +17,7 @@ from esrl.es.noise import population
 from esrl.es.params import select_params
 from esrl.es.shaping import shape_fitness
 from esrl.es.update import es_step
+from esrl.finite import all_finite
 from esrl.tasks.base import Task
 from esrl.tasks.reward_values import check_bad_rewards
 
@@ -98,6 +99,18 @@ def test_a_non_finite_es_update_is_refused_and_leaves_weights_unchanged():
     with pytest.raises(NonFiniteUpdateError, match="made weights non-finite"):
         es_step(torch.optim.SGD(sel.params, lr=1e38), sel, population(0, 7, 4),
                 torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64), iteration=7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [float("nan"), INF, -INF, None])
+def test_all_finite_finds_one_bad_element_anywhere(dtype, bad):
+    """The min/max check (esrl.finite) against the element-wise definition, an empty tensor (ZeRO-3 partitions) and
+    integer tensors beside."""
+    tensors = [torch.randn(7, 5).to(dtype), torch.empty(0, dtype=dtype), torch.arange(3), torch.randn(11).to(dtype)]
+    if bad is not None:
+        tensors[3][4] = bad
+    assert all_finite(tensors) == all(bool(torch.isfinite(t).all()) for t in tensors) == (bad is None)
+    assert all_finite([]) and all_finite([torch.empty(0)])
 
 
 # -- through the real CLI: a jsonl task whose reward function returns NaN / inf -------------------------------------

@@ -1,7 +1,7 @@
 """Weights never become non-finite: the checks ES and GRPO run around every update (plain torch).
 
 Before the step the gradient is checked (free: no copy, and a refused step leaves the weights exactly as they
-were); after it the updated weights are checked too (one fused isfinite-all per tensor, one host sync), since a
+were); after it the updated weights are checked too (one min/max reduction per tensor, one host sync), since a
 finite step can still overflow a low-precision weight. Either failure stops the run (NonFiniteUpdateError): no
 `final/` is written, and the last checkpoint holds the weights from before the step.
 """
@@ -17,11 +17,16 @@ from esrl.errors import NonFiniteUpdateError
 
 @torch.no_grad()
 def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
-    """True when every element of every tensor is finite (one reduction per tensor, one sync)."""
-    flags = [torch.isfinite(t).all() for t in tensors if t.is_floating_point()]
-    if not flags:
+    """True when every element of every tensor is finite (one reduction per tensor, one sync).
+
+    A tensor's min and max are both finite exactly when all its elements are (torch.aminmax propagates NaN, and an
+    inf is an extreme): one read of the tensor, no bool copy of it (isfinite().all() was 20x slower on a CPU and
+    37% of a 135M model's ES update)."""
+    extremes = [torch.stack(torch.aminmax(t.detach())).float() for t in tensors
+                if t.is_floating_point() and t.numel()]
+    if not extremes:
         return True
-    return bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
+    return bool(torch.isfinite(torch.cat([e.to(extremes[0].device) for e in extremes])).all())
 
 
 def check_gradient(grads: Iterable[torch.Tensor], *, algo: str, step: int) -> None:
