@@ -255,6 +255,9 @@ def side_by_side(modes: list[str], args) -> dict:
     import statistics
 
     prepared = {m: prepare(m, args) for m in modes}
+    for engine, unit in prepared.values():
+        if engine.compiled:  # compiles and recordings happen here, not in round 1
+            unit()
     times: dict[str, list[float]] = {m: [] for m in modes}
     for r in range(args.rounds):
         for m in modes[r % len(modes):] + modes[:r % len(modes)]:

@@ -3,8 +3,9 @@
 # floor, lowrank, lora, a single member's generate and full mode), then configs/es_conciseness.yaml end to end.
 # Steps run in order of priority, each under its own time limit; everything lands in $OUT.
 #
-#   device run (carry .whl .gpu):  bash benchmarks/gpu/issue15.sh [steps]   steps: profile,tests,bench1,bench2,fused,e2e
+#   device run (carry .whl .gpu):  bash benchmarks/gpu/issue15.sh [steps]   steps: profile,tests,bench1,bench2,sbs,fused,e2e
 # E2E_ARGS adds esrl fit flags to e2e (e.g. "--model.rollout.compile fused").
+# sbs: the same rows side by side in ONE process (es_throughput.py --rounds), so their ratios share the machine's state.
 # fused: floor, lowrank and lora with rollout.compile: fused (the step torch.compile'd, then recorded) beside the
 # recorded-only path, in one call each so their ratios are side by side.
 # .whl holds the wheels the GPU image lacks (jsonargparse, docstring-parser, typeshed-client); .gpu/tok the
@@ -32,6 +33,9 @@ if has bench1; then
 fi
 if has bench2; then
   (cd benchmarks && timeout 240 python3 es_throughput.py $BENCH --modes lora,single,full --compile on --repeats 2 --full-members 3 2>&1 | tee "$OUT/bench_compiled2.log" | grep '^{')
+fi
+if has sbs; then  # the ratios side by side: floor, lowrank, lora and one member's rows in one process, 3 rounds
+  (cd benchmarks && timeout 400 python3 es_throughput.py $BENCH --modes floor,lowrank,lora,single --compile on --rounds 3 2>&1 | tee "$OUT/bench_sbs.log" | grep '^{')
 fi
 if has fused; then
   for c in on fused; do
