@@ -118,14 +118,11 @@ def peak_memory_mb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def timed_floor(engine, prompts, n: int, repeats: int, gen: dict) -> tuple[list[float], int]:
-    """The inference floor: `repeats` plain batched generates of the N x P rows with the base weights."""
-    times, out = [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = engine.generate(prompts * n, greedy=True, **gen)
-        times.append(time.perf_counter() - start)
-    return times, sum(len(c.token_ids) for c in out)
+def timed_generate(engine, rows: list, gen: dict) -> tuple[float, int]:
+    """One plain batched greedy generate of `rows` with the base weights (the inference floor): (seconds, tokens)."""
+    start = time.perf_counter()
+    out = engine.generate(rows, greedy=True, **gen)
+    return time.perf_counter() - start, sum(len(c.token_ids) for c in out)
 
 
 def prepare(mode: str, args) -> tuple[object, callable]:
@@ -157,11 +154,7 @@ def prepare(mode: str, args) -> tuple[object, callable]:
         return [sum(task.rewards(rows, [c.text for c in cs])) / p for cs in completions_per_member]
 
     def plain(rows_prompts):
-        def unit():
-            start = time.perf_counter()
-            out = engine.generate(rows_prompts, greedy=True, **gen)
-            return time.perf_counter() - start, sum(len(c.token_ids) for c in out), {}
-        return unit
+        return lambda: (*timed_generate(engine, rows_prompts, gen), {})
 
     def iteration(sel, spec, noise_mode, extra: dict):
         opt = torch.optim.SGD(sel.params, lr=1e-3)

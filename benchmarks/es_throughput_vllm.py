@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from es_throughput import PeakRSS, _cpu_model, timed_floor  # noqa: E402
+from es_throughput import PeakRSS, _cpu_model, timed_generate  # noqa: E402
 
 MODES = ("floor", "lowrank", "lora", "full", "floor_lora")
 
@@ -108,7 +108,8 @@ def worker(mode: str, args) -> dict:
 
     if mode in ("floor", "floor_lora"):
         with PeakRSS() as mem:
-            times, tokens = timed_floor(engine, prompts, n, args.repeats, gen)
+            times, tokens = zip(*(timed_generate(engine, prompts * n, gen) for _ in range(args.repeats)))
+            tokens = tokens[-1]
     elif mode == "lowrank":
         sel, spec = build_selection(model, es)
         engine_es = SeparateES(engine, model, sel, spec, es_mode_obj)

@@ -103,12 +103,14 @@ def test_a_non_finite_es_update_is_refused_and_leaves_weights_unchanged():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bad", [float("nan"), INF, -INF, None])
-def test_all_finite_finds_one_bad_element_anywhere(dtype, bad):
+@pytest.mark.parametrize("where", [(0, (0, 0)), (3, (10,))])  # first element of the first tensor, last of the last
+def test_all_finite_finds_one_bad_element_anywhere(dtype, bad, where):
     """The min/max check (esrl.finite) against the element-wise definition, an empty tensor (ZeRO-3 partitions) and
     integer tensors beside."""
     tensors = [torch.randn(7, 5).to(dtype), torch.empty(0, dtype=dtype), torch.arange(3), torch.randn(11).to(dtype)]
     if bad is not None:
-        tensors[3][4] = bad
+        tensor, index = where
+        tensors[tensor][index] = bad
     assert all_finite(tensors) == all(bool(torch.isfinite(t).all()) for t in tensors) == (bad is None)
     assert all_finite([]) and all_finite([torch.empty(0)])
 

@@ -1,8 +1,8 @@
 """ys[i] += A_m (B_m^T x[i]) for member-major rows: one GPU kernel per perturbed linear (Triton), torch elsewhere.
 
 A recorded (CUDA-graph) decode step still pays ~2-4 us per kernel however small its work. The torch ops for this
-term (a product, a sum and an addcmul at rank 1; two batched GEMMs else) were 3 launches per perturbed linear, and a
-1.5B model has 196 of them: +37% on the decode step (H100, benchmarks/gpu/decode_profile.py). The kernel reads x,
+term (then a product, a sum and an addcmul at rank 1; two batched GEMMs else) were 2-3 launches per perturbed linear,
+and a 1.5B model has 196 of them: +37% on the decode step (H100, benchmarks/gpu/decode_profile.py). The kernel reads x,
 the member's factors and ys once, accumulates in fp32 and rounds once; it has no atomics, so it repeats bit for bit.
 ES lowrank (A, B: the member's noise factors) and lora (A: lora_A, B^T: scaling * lora_B of the member's adapter) use it.
 """
