@@ -63,3 +63,42 @@ def test_zero3_partitioned_weights_decode_with_generate(tiny_model):
     assert supports_static_decode(model)
     next(model.parameters()).ds_id = 0
     assert not supports_static_decode(model)
+
+
+def test_lora_buffers_refilled_in_place_hold_each_members_adapter(tiny_model):
+    """StaticLora writes each member's adapter straight into its persistent buffers (esrl.es.modes.lora
+    write_member_adapters): after a refill, same addresses, and every slot is the written-out member weight
+    theta + sign * sigma * eps (selected factors) or theta (the others), lora_B times the scaling."""
+    from esrl.es import get_mode, population
+    from esrl.es.config import ESConfig
+    from esrl.es.noise import gaussian
+    from esrl.es.setup import build_policy, build_selection
+    from esrl.models import load_causal_lm
+    from esrl.models.lora import peft_lora_modules
+
+    cfg = ESConfig(mode="lora", sigma=0.05, lora_rank=4, lora_alpha=12, include=[r"layers\.0\..*lora_A"],
+                   antithetic=True)
+    policy = build_policy(load_causal_lm(tiny_model), cfg, 0)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+    selection, spec = build_selection(policy, cfg)
+    index = {id(p): j for j, _, p in selection}
+    static = get_mode("lora").static_population(policy, selection, spec)
+    members = population(3, 1, 8, antithetic=True)
+    static.load(members[:4])
+    addresses = {k: [t.data_ptr() for t in ts] for k, ts in static._buffers.items()}
+    static.load(members[4:])
+    assert {k: [t.data_ptr() for t in ts] for k, ts in static._buffers.items()} == addresses
+    perturbed = 0
+    for name, (a, b, scaling) in peft_lora_modules(policy).items():
+        assert scaling == 3.0
+        b_t, a_slots = static._buffers[name]
+        for i, m in enumerate(members[4:]):
+            want_a = a + m.sign * 0.05 * gaussian(m.seed, index[id(a)], a.shape) if id(a) in index else a
+            perturbed += id(a) in index
+            assert torch.allclose(a_slots[i], want_a, rtol=0, atol=1e-6) and (id(a) in index or
+                                                                               torch.equal(a_slots[i], a))
+            assert torch.equal(b_t[i], (b * scaling).T)
+    assert perturbed > 0 and len(selection) < 2 * len(peft_lora_modules(policy))

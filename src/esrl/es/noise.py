@@ -118,11 +118,12 @@ def tensor_scale(p: torch.Tensor, spec: NoiseSpec, sigma: float | None = None) -
 
 
 def member_weight(p: torch.Tensor, eps: torch.Tensor, sign: float, scale: float, *,
-                  in_place: bool = False) -> torch.Tensor:
-    """theta + (sign * s) * eps in the weights' dtype: the one rounding every consumer of a member's weight shares."""
+                  in_place: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+    """theta + (sign * s) * eps in the weights' dtype: the one rounding every consumer of a member's weight shares
+    (`out`: written into that tensor, e.g. a member's slot of a persistent buffer)."""
     if in_place:
         return p.add_(eps.to(p.dtype), alpha=sign * scale)
-    return torch.add(p, eps.to(p.dtype), alpha=sign * scale)
+    return torch.add(p, eps.to(p.dtype), alpha=sign * scale, out=out)
 
 
 def scaled_factor(a: torch.Tensor, signs: torch.Tensor, scale: float, rank: int) -> torch.Tensor:

@@ -40,6 +40,13 @@ class StaticPopulation:
         """The chunk's tensors per buffer key, each with the members on dim 0."""
         raise NotImplementedError
 
+    def _refill(self, buffers: dict[str, tuple[torch.Tensor, ...]], members: Sequence[Member]) -> None:
+        """Write the chunk's tensors into this size's existing buffers; a mode may write them without `_fill`'s
+        intermediate copies (lora: 2.4M numbers per member on the CPU benchmark)."""
+        for key, tensors in self._fill(members).items():
+            for buffer, t in zip(buffers[key], tensors):
+                buffer.copy_(t)
+
     def _apply(self, buffers: tuple[torch.Tensor, ...], x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The hooked module's output for member-major rows (x viewed as (M, rows/M * seq, in))."""
         raise NotImplementedError
@@ -48,18 +55,16 @@ class StaticPopulation:
     @torch.no_grad()
     def load(self, members: Sequence[Member]) -> None:
         """Refill the buffers of this chunk size in place with its members (a new size allocates its own)."""
-        filled = self._fill(members)
         self.members = len(members)
         if self.members not in self._sizes:
+            filled = self._fill(members)
             buffers = {key: tuple(t.contiguous().clone() for t in tensors) for key, tensors in filled.items()}
             for tensors in buffers.values():
                 for t in tensors:
                     torch._dynamo.mark_static_address(t)  # CUDA graphs read it in place, no copy per replay
             self._sizes[self.members] = buffers
         else:
-            for key, tensors in filled.items():
-                for buffer, t in zip(self._sizes[self.members][key], tensors):
-                    buffer.copy_(t)
+            self._refill(self._sizes[self.members], members)
         self._buffers = self._sizes[self.members]
 
     @contextmanager
