@@ -6,7 +6,14 @@ and forks a child per call: still a process of its own, with the call's argv, wo
 stdout, stderr, exit code and process group. Only one thing differs from a fresh interpreter: the modules were
 imported before the call's environment was set. So a call whose environment differs from the server's in
 anything but the variables below (read when used, never at import) runs as a plain subprocess, and
-ESRL_TEST_FORK=0 runs every call that way (to check that both give the same results).
+ESRL_TEST_FORK=0 runs every call that way (to check that both give the same results). A PYTHONPATH of the call's
+own goes on the child's sys.path where a fresh interpreter puts it, unless a folder on it holds a module the server
+has imported (the server says so, and the call runs as a plain subprocess).
+
+Libraries that the test process imports (torch, vLLM, TRL) set variables of their own in its environment
+(TORCHINDUCTOR_COMPILE_THREADS, VLLM_LOGGING_LEVEL, ...). A call gets those as they were when the suite started:
+a fresh `esrl` sets them itself when it imports the same library, and they would otherwise make every later call
+a plain subprocess (~9 s each).
 """
 
 from __future__ import annotations
@@ -22,13 +29,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SERVER = Path(__file__).with_name("cli_server.py")
 ESRL = [sys.executable, "-m", "esrl.cli"]
-READ_WHEN_USED = ("ESRL_", "PYTEST_CURRENT_TEST", "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+READ_WHEN_USED = ("ESRL_", "PYTEST_CURRENT_TEST", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "PYTHONPATH")
+SET_BY_IMPORTS = ("PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_", "TRITON_", "TILELANG_", "VLLM_")
+_AT_START = dict(os.environ)  # conftest imports this module before any test runs
 _lock = threading.Lock()
 _server: dict = {}  # "proc", "env" once started
 
 
 def _base_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1"}
+    """The test's environment for a call, the variables libraries set on import as they were at the start."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(SET_BY_IMPORTS)}
+    env.update((k, v) for k, v in _AT_START.items() if k.startswith(SET_BY_IMPORTS))
+    return {**env, "PYTHONUNBUFFERED": "1"}
 
 
 def _start() -> subprocess.Popen | None:
@@ -69,6 +81,9 @@ def run_esrl(*args, timeout: float = 300, cwd: Path = ROOT) -> subprocess.Comple
             if not line:  # the server died mid-call: say so, not a JSON error
                 raise RuntimeError(f"tests/cli_server.py exited ({server.wait()}) while running esrl {' '.join(argv)}")
             reply = json.loads(line)
+            if "unforkable" in reply:  # PYTHONPATH shadows a module the server imported: a fresh interpreter
+                return subprocess.run([*ESRL, *argv], capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                                      env=env)
             stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
     if reply["timed_out"]:
         raise subprocess.TimeoutExpired([*ESRL, *argv], timeout, stdout, stderr)

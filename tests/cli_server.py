@@ -4,7 +4,9 @@ Reads one JSON request per line on stdin: {"argv", "cwd", "env", "stdout", "stde
 becomes its own process group, takes the call's cwd, environment, argv and output files, and runs the CLI's
 `main()` as `python -m esrl.cli` would (SystemExit codes, uncaught errors as a traceback and exit 1, atexit
 handlers, flushed streams); waits for it (killing its group past the timeout) and answers one JSON line:
-{"returncode", "timed_out"}. A returncode is negative for a signal, as subprocess reports it.
+{"returncode", "timed_out"}. A returncode is negative for a signal, as subprocess reports it. A request whose
+PYTHONPATH adds a folder holding a module this process imported already is answered {"unforkable": name} instead
+(a fresh interpreter would import that module from the folder).
 """
 
 from __future__ import annotations
@@ -19,6 +21,24 @@ import traceback
 
 import esrl.cli  # the ~8 s of imports (torch, transformers, Lightning) every forked call skips
 
+STARTED_WITH = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+def python_path(env: dict) -> list[str]:
+    """The request's PYTHONPATH folders."""
+    return [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+def shadowed(folders: list[str]) -> str | None:
+    """A module this process imported already that one of `folders` (added by a request) also holds."""
+    for folder in set(folders) - set(STARTED_WITH):
+        names = os.listdir(folder) if os.path.isdir(folder) else []
+        for name in names:
+            module = name[:-3] if name.endswith(".py") else name
+            if module in sys.modules:
+                return module
+    return None
+
 
 def run_child(request: dict) -> None:
     """In the forked child: become the CLI process the request describes, run it, never return."""
@@ -26,7 +46,8 @@ def run_child(request: dict) -> None:
     try:
         os.setpgid(0, 0)
         os.chdir(request["cwd"])
-        sys.path[0] = request["cwd"]  # as `python -m` puts the working directory first
+        sys.path[0] = request["cwd"]  # as `python -m` puts the working directory first, then PYTHONPATH
+        sys.path[1:] = python_path(request["env"]) + [p for p in sys.path[1:] if p not in STARTED_WITH]
         os.environ.clear()
         os.environ.update(request["env"])
         devnull = os.open(os.devnull, os.O_RDONLY)
@@ -73,6 +94,10 @@ def serve() -> None:
     print(json.dumps({"ready": os.getpid()}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
+        module = shadowed(python_path(request["env"]))
+        if module is not None:
+            print(json.dumps({"unforkable": module}), flush=True)
+            continue
         pid = os.fork()
         if pid == 0:
             run_child(request)
