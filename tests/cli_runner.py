@@ -66,13 +66,18 @@ def _forkable(env: dict[str, str]) -> bool:
     return all(k.startswith(READ_WHEN_USED) for k in set(env) | set(base) if env.get(k) != base.get(k))
 
 
+def _fresh(argv: list[str], timeout: float, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """The call as a plain subprocess: a fresh interpreter."""
+    return subprocess.run([*ESRL, *argv], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
+
+
 def run_esrl(*args, timeout: float = 300, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """`esrl *args` in a process of its own, as a user would run it, capturing its output."""
     argv, env = [str(a) for a in args], _base_env()
     with _lock:
         server = _start()
         if server is None or server.poll() is not None or not _forkable(env):
-            return subprocess.run([*ESRL, *argv], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
+            return _fresh(argv, timeout, cwd, env)
         with tempfile.TemporaryDirectory() as tmp:
             out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
             request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err),
@@ -84,8 +89,7 @@ def run_esrl(*args, timeout: float = 300, cwd: Path = ROOT) -> subprocess.Comple
                 raise RuntimeError(f"tests/cli_server.py exited ({server.wait()}) while running esrl {' '.join(argv)}")
             reply = json.loads(line)
             if "unforkable" in reply:  # PYTHONPATH shadows a module the server imported: a fresh interpreter
-                return subprocess.run([*ESRL, *argv], capture_output=True, text=True, timeout=timeout, cwd=cwd,
-                                      env=env)
+                return _fresh(argv, timeout, cwd, env)
             stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
     if reply["timed_out"]:
         raise subprocess.TimeoutExpired([*ESRL, *argv], timeout, stdout, stderr)

@@ -16,4 +16,3 @@ def test_a_pythonpath_shadowing_an_imported_module_runs_as_a_fresh_interpreter(t
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     assert run_esrl("--help").returncode == 7  # a fresh interpreter imports this json first
     assert server is None or (cli_runner._server["proc"] is server and server.poll() is None)
-
