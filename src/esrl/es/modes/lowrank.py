@@ -156,8 +156,7 @@ def _member_factors(members: Sequence[Member], j: int, p: torch.Tensor, spec: No
                     generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """A (M, out, r) with sign_i s_j / sqrt(r) folded in, and B (M, in, r), both in the weights' dtype."""
     fa, fb = zip(*(lowrank_factors(m.seed, j, p.shape, spec.rank, p.device, generator) for m in members))
-    signs = torch.tensor([m.sign for m in members], dtype=torch.float32)
-    a = scaled_factor(torch.stack(fa), signs, tensor_scale(p, spec), spec.rank)
+    a = scaled_factor(torch.stack(fa), [m.sign for m in members], tensor_scale(p, spec), spec.rank)
     return a.to(p.dtype), torch.stack(fb).to(p.dtype)
 
 
