@@ -1,5 +1,5 @@
 """The ES iteration's work around its generate: a chunk's load (members' factors or adapters into the population's
-buffers) and the update, for lowrank and lora, with and without `factors_drawn_once` (the update reusing the
+buffers) and the update, for lowrank and lora, with and without `drawn_once` (the update reusing the
 load's draws).
 
 On a GPU decoding through recorded CUDA graphs, these phases are host-bound: each op is a launch (~5-20 us of
@@ -56,7 +56,7 @@ class OpCounts(TorchDispatchMode):
 def prepare(mode: str, args):
     """(one unit(reuse) -> (load_s, update_s)) for a mode: the population's buffers made once, as in a run."""
     from esrl.es import NoiseSpec, get_mode, lowrank_selection, population, select_params
-    from esrl.es.noise import factors_drawn_once
+    from esrl.es.noise import drawn_once
     from esrl.es.update import es_gradient
 
     model = build_model(args.model, args.device, args.dtype)
@@ -79,7 +79,7 @@ def prepare(mode: str, args):
 
     def unit(reuse: bool) -> tuple[float, float]:
         sync()
-        with factors_drawn_once() if reuse else nullcontext():
+        with drawn_once() if reuse else nullcontext():
             start = time.perf_counter()
             static.load(members)
             sync()

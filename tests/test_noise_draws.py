@@ -1,4 +1,4 @@
-"""An ES iteration draws each member's low-rank factors once (factors_drawn_once) and copies host numbers to the
+"""An ES iteration draws each member's low-rank factors or lora adapter noise once (drawn_once) and copies host numbers to the
 device once per list, not once per matrix: the same weights as drawing everything anew, with the draws counted.
 
 Counts come from a TorchDispatchMode over real ops (what a GPU would launch), on the tiny random model on CPU; the
@@ -11,8 +11,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from esrl.es import NoiseSpec, get_mode, lowrank_selection, population, select_params
-from esrl.es.noise import factors_drawn_once, lowrank_factors
+from esrl.es import get_mode, population
+from esrl.es.config import ESConfig
+from esrl.es.noise import drawn_once, lowrank_factors
+from esrl.es.setup import build_policy, build_selection
 from esrl.es.update import es_step
 
 
@@ -30,14 +32,14 @@ class Draws(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _iteration(model, spec, members, weights, reuse: bool):
-    """One lowrank iteration's noise work as ESModule runs it: the chunk's load, then the update."""
-    sel = lowrank_selection(model, select_params(model), spec)
-    static = get_mode("lowrank").static_population(model, sel, spec)
+def _iteration(model, cfg, members, weights, reuse: bool):
+    """One iteration's noise work as ESModule runs it: the chunk's load, then the update."""
+    sel, spec = build_selection(model, cfg)
+    static = get_mode(cfg.mode).static_population(model, sel, spec)
     opt = torch.optim.SGD(sel.params, lr=0.1)
     load, update = Draws(), Draws()
     try:
-        with factors_drawn_once() if reuse else torch.no_grad():
+        with drawn_once() if reuse else torch.no_grad():
             with load:
                 static.load(members)
             with update:
@@ -47,45 +49,45 @@ def _iteration(model, spec, members, weights, reuse: bool):
     return sel, load, update
 
 
-@pytest.fixture
-def own_lm(tiny_model):
-    """A copy of the tiny model of this test's own (its weights get updated)."""
+def _policy(tiny_model, cfg):
+    """A fresh policy of the tiny model (its weights get updated), wrapped as the mode wants."""
     from esrl.models import load_causal_lm
 
-    return load_causal_lm(tiny_model)
+    return build_policy(load_causal_lm(tiny_model), cfg, 0)
 
 
-def test_update_reuses_the_loads_draws_with_the_same_weights(own_lm):
-    spec = NoiseSpec(mode="lowrank", sigma=0.05, rank=2)
+@pytest.mark.parametrize("cfg", [ESConfig(mode="lowrank", sigma=0.05, rank=2),
+                                 ESConfig(mode="lora", sigma=0.05, lora_rank=2, lora_alpha=4)], ids=["lowrank", "lora"])
+def test_update_reuses_the_loads_draws_with_the_same_weights(tiny_model, cfg):
     members = population(7, 0, 6, antithetic=True)  # 3 seeds: pairs share their draws too
     weights = torch.tensor([0.5, -1.0, 2.0, 0.25, -0.75, 1.5])
-    start = [p.detach().clone() for p in own_lm.parameters()]
-    sel, load, update = _iteration(own_lm, spec, members, weights, reuse=False)
-    plain = [p.detach().clone() for p in own_lm.parameters()]
-    assert load.normal == 2 * len(sel) * 6  # A and B per matrix and member
-    assert update.normal == 2 * len(sel) * 3  # drawn again (the update folds each pair into one draw)
-    with torch.no_grad():
-        for p, s in zip(own_lm.parameters(), start):
-            p.copy_(s)
-    sel, load, update = _iteration(own_lm, spec, members, weights, reuse=True)
-    assert load.normal == 2 * len(sel) * 3 and update.normal == 0  # once per seed, none for the update
-    assert all(torch.equal(p, q) for p, q in zip(own_lm.parameters(), plain))  # bit for bit
+    per_seed = 2 if cfg.mode == "lowrank" else 1  # A and B factors; or the adapter tensor's own noise
+    model = _policy(tiny_model, cfg)
+    start = [p.detach().clone() for p in model.parameters()]
+    sel, load, update = _iteration(model, cfg, members, weights, reuse=False)
+    plain = [p.detach().clone() for p in model.parameters()]
+    assert load.normal == per_seed * len(sel) * 6  # per tensor and member
+    assert update.normal == per_seed * len(sel) * 3  # drawn again (the update folds each pair into one draw)
     assert not all(torch.equal(p, s) for p, s in zip(plain, start))  # the update moved the weights
+    model = _policy(tiny_model, cfg)
+    sel, load, update = _iteration(model, cfg, members, weights, reuse=True)
+    assert load.normal == per_seed * len(sel) * 3 and update.normal == 0  # once per seed, none for the update
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain))  # bit for bit
 
 
-def test_host_numbers_reach_the_device_once_per_list_not_per_matrix(own_lm):
+def test_host_numbers_reach_the_device_once_per_list_not_per_matrix(tiny_model):
     """Signs at the load and fitness coefficients at the update: one host-made tensor each, whatever the matrices
     (a GPU waits for its queue at each such copy)."""
-    spec = NoiseSpec(mode="lowrank", sigma=0.05)
+    cfg = ESConfig(mode="lowrank", sigma=0.05)
     members = population(11, 3, 4)
     weights = torch.tensor([0.125, -0.5, 1.0, 0.375]) * torch.rand(()).item()  # numbers no earlier test used
-    sel, load, update = _iteration(own_lm, spec, members, weights, reuse=True)
+    sel, load, update = _iteration(_policy(tiny_model, cfg), cfg, members, weights, reuse=True)
     assert len(sel) > 2 and load.from_host <= 1 and update.from_host <= 2, (load.from_host, update.from_host)
 
 
 def test_past_its_budget_the_block_draws_again_the_same_numbers():
     a, b = lowrank_factors(5, 2, (8, 4), 1)
-    with factors_drawn_once(max_bytes=4 * (8 + 4)):  # room for one pair
+    with drawn_once(max_bytes=4 * (8 + 4)):  # room for one pair
         kept = lowrank_factors(5, 2, (8, 4), 1)
         assert lowrank_factors(5, 2, (8, 4), 1)[0] is kept[0]
         other = lowrank_factors(6, 2, (8, 4), 1)

@@ -12,7 +12,7 @@ from esrl.es.config import ESConfig
 from esrl.es.engines import es_backend
 from esrl.es.fingerprint import weights_fingerprint
 from esrl.es.modes import get_mode
-from esrl.es.noise import factors_drawn_once, population
+from esrl.es.noise import drawn_once, population
 from esrl.es.population_hooks import member_chunks
 from esrl.es.seed_log import append_record, make_header, make_record, write_seed_log
 from esrl.es.setup import build_optimizer, build_policy, build_selection
@@ -132,7 +132,7 @@ class ESModule(PolicyModule):
         return scores
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        with factors_drawn_once():  # a member's low-rank factors serve its chunk's generate and the update alike
+        with drawn_once():  # a member's low-rank factors serve its chunk's generate and the update alike
             self._iteration(batch["rows"])
 
     def _iteration(self, rows: list[dict[str, Any]]) -> None:

@@ -81,49 +81,52 @@ def generator_on(device: torch.device | str, generator: torch.Generator | None =
     return generator
 
 
-def gaussian(seed: int, tensor_index: int, shape: Sequence[int], device: torch.device | str = "cpu",
-             generator: torch.Generator | None = None) -> torch.Tensor:
-    """Standard normal noise in fp32 for tensor `tensor_index` of the member with `seed`."""
-    generator = generator_on(device, generator)
-    generator.manual_seed((seed + tensor_index) & MASK63)
-    return torch.randn(tuple(shape), generator=generator, device=generator.device, dtype=torch.float32)
-
-
-tensor_noise = gaussian  # the name the rest of the code base and the tests know
-
-
-_DRAWN: ContextVar[dict | None] = ContextVar("esrl_drawn_factors", default=None)
+_DRAWN: ContextVar[dict | None] = ContextVar("esrl_drawn_once", default=None)
 
 
 @contextmanager
-def factors_drawn_once(max_bytes: int = 2**30) -> Iterator[None]:
-    """Inside the block each low-rank factor pair is drawn once and served again (the same tensors, so the same
-    numbers): an ES iteration needs every member's factors for its chunk's generate and again for the update, and
-    antithetic pairs share theirs. On a GPU every draw is a seeded launch (2 per matrix and member: 11,760 per
-    iteration of a 1.5B model at N=30), so this halves them. Memory: r (out + in) fp32 numbers per matrix and seed
-    until the block exits (rank 1, N=30: 35 MB for SmolLM2-135M, 138 MB for a 1.5B model); past `max_bytes` the
-    factors are drawn again as without the block. Callers must not modify the factors they get."""
-    token = _DRAWN.set({"bytes": 0, "max_bytes": max_bytes, "pairs": {}})
+def drawn_once(max_bytes: int = 2**30) -> Iterator[None]:
+    """Inside the block a draw asked for with `reuse` is made once and served again (the same tensor, so the same
+    numbers): an ES iteration needs every member's low-rank factors (or lora adapter noise) for its chunk's
+    generate and again for the update, and antithetic pairs share theirs. On a GPU every draw is a seeded launch
+    (11,760 per lowrank iteration of a 1.5B model at N=30), so this halves them. Memory: the reused draws until the
+    block exits (N=30: lowrank rank 1 35 MB for SmolLM2-135M, 138 MB for a 1.5B model; lora rank 8 292 MB for
+    SmolLM2-135M); past `max_bytes` a draw is made again, as without the block. Callers must not modify them."""
+    token = _DRAWN.set({"bytes": 0, "max_bytes": max_bytes, "draws": {}})
     try:
         yield
     finally:
         _DRAWN.reset(token)
 
 
+def gaussian(seed: int, tensor_index: int, shape: Sequence[int], device: torch.device | str = "cpu",
+             generator: torch.Generator | None = None, *, reuse: bool = False) -> torch.Tensor:
+    """Standard normal noise in fp32 for tensor `tensor_index` of the member with `seed` (`reuse`: served again
+    inside `drawn_once`; for small draws such as factors and adapters, not whole weights)."""
+    drawn = _DRAWN.get() if reuse else None
+    key = (seed, tensor_index, tuple(shape), torch.device(device))
+    if drawn is not None and key in drawn["draws"]:
+        return drawn["draws"][key]
+    generator = generator_on(device, generator)
+    generator.manual_seed((seed + tensor_index) & MASK63)
+    eps = torch.randn(tuple(shape), generator=generator, device=generator.device, dtype=torch.float32)
+    if drawn is not None and drawn["bytes"] + 4 * eps.numel() <= drawn["max_bytes"]:
+        drawn["draws"][key] = eps
+        drawn["bytes"] += 4 * eps.numel()
+    return eps
+
+
+tensor_noise = gaussian  # the name the rest of the code base and the tests know
+
+
 def lowrank_factors(seed: int, tensor_index: int, shape: Sequence[int], rank: int,
                     device: torch.device | str = "cpu", generator: torch.Generator | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A (out x r) and B (in x r), standard normal in fp32, for a 2-D tensor of `shape` = (out, in)."""
+    """A (out x r) and B (in x r), standard normal in fp32, for a 2-D tensor of `shape` = (out, in); reused inside
+    `drawn_once`."""
     out_f, in_f = shape
-    drawn = _DRAWN.get()
-    key = (seed, tensor_index, out_f, in_f, rank, torch.device(device))
-    if drawn is not None and key in drawn["pairs"]:
-        return drawn["pairs"][key]
-    a = gaussian(factor_seed(seed, tensor_index, "A"), 0, (out_f, rank), device, generator)
-    b = gaussian(factor_seed(seed, tensor_index, "B"), 0, (in_f, rank), device, generator)
-    if drawn is not None and drawn["bytes"] + 4 * (out_f + in_f) * rank <= drawn["max_bytes"]:
-        drawn["pairs"][key] = (a, b)
-        drawn["bytes"] += 4 * (out_f + in_f) * rank
+    a = gaussian(factor_seed(seed, tensor_index, "A"), 0, (out_f, rank), device, generator, reuse=True)
+    b = gaussian(factor_seed(seed, tensor_index, "B"), 0, (in_f, rank), device, generator, reuse=True)
     return a, b
 
 
@@ -183,11 +186,12 @@ def folded_coefficients(members: Sequence[Member], weights: torch.Tensor) -> dic
 
 
 def gaussian_gradient(coef: dict[int, float], n: int, tensor_index: int, shape: Sequence[int],
-                      device: torch.device | str, generator: torch.Generator | None = None) -> torch.Tensor:
-    """(1/N) sum_k c_k eps_k for full Gaussian noise, accumulated seed by seed in fp32."""
+                      device: torch.device | str, generator: torch.Generator | None = None, *,
+                      reuse: bool = False) -> torch.Tensor:
+    """(1/N) sum_k c_k eps_k for full Gaussian noise, accumulated seed by seed in fp32 (`reuse`: see gaussian)."""
     g = torch.zeros(tuple(shape), dtype=torch.float32, device=device)
     for seed, c in coef.items():
-        g.add_(gaussian(seed, tensor_index, shape, device, generator), alpha=c)
+        g.add_(gaussian(seed, tensor_index, shape, device, generator, reuse=reuse), alpha=c)
     return g.div_(n)
 
 

@@ -36,7 +36,7 @@ import torch
 from esrl.errors import ConfigError, require
 from esrl.es.lowrank_kernel import lowrank_add_
 from esrl.es.modes.base import Adapter, NoiseMode
-from esrl.es.noise import gaussian, generator_on, member_weight, tensor_scale
+from esrl.es.noise import gaussian, gaussian_gradient, generator_on, member_weight, tensor_scale
 from esrl.es.params import ParamSelection, linear_weight_only, param_owners
 from esrl.es.population_hooks import PopulationHooks
 from esrl.es.static_population import StaticPopulation
@@ -72,6 +72,10 @@ class LoraMode(NoiseMode):
             return lora_selection(selection, cfg.include)
         except ValueError as e:
             raise ConfigError(f"model.es.include: {e}") from None
+
+    def gradient(self, coef, n, tensor_index, p, spec, generator=None) -> torch.Tensor:
+        # the adapter's noise is small (r (in + out) per layer): the update reuses the load's draws (drawn_once)
+        return gaussian_gradient(coef, n, tensor_index, p.shape, p.device, generator, reuse=True)
 
     def population(self, model, selection, spec, members, row_member) -> PopulationHooks:
         return LoraPopulation(model, selection, spec, members, row_member)
@@ -177,7 +181,7 @@ class LoraPopulation(PopulationHooks):
 def _member_weights(members, j: int, p: torch.Tensor, spec, generator) -> torch.Tensor:
     """(M, *p.shape): each member's perturbed copy of tensor p, exactly as the in-place perturbation writes it."""
     scale = tensor_scale(p, spec)
-    return torch.stack([member_weight(p, gaussian(m.seed, j, p.shape, p.device, generator), m.sign, scale)
+    return torch.stack([member_weight(p, gaussian(m.seed, j, p.shape, p.device, generator, reuse=True), m.sign, scale)
                         for m in members])
 
 
@@ -217,7 +221,7 @@ def write_member_adapters(model: torch.nn.Module, selection: ParamSelection, spe
         scale = tensor_scale(p, spec)
         generator = generator_on(p.device, generator)
         for slot, m in zip(slots[name][k], members):
-            member_weight(p, gaussian(m.seed, j, p.shape, p.device, generator), m.sign, scale, out=slot)
+            member_weight(p, gaussian(m.seed, j, p.shape, p.device, generator, reuse=True), m.sign, scale, out=slot)
         written.add((name, k))
     for name, (a, b, scaling) in modules.items():
         for k, factor in enumerate((a, b)):
