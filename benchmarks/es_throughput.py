@@ -134,6 +134,7 @@ def prepare(mode: str, args) -> tuple[object, callable]:
     from esrl.es import NoiseSpec, Perturber, es_step, get_mode, lowrank_selection, population, select_params, \
         shape_fitness
     from esrl.es.engines import InPlaceES
+    from esrl.es.noise import drawn_once
     from esrl.models import load_tokenizer
     from esrl.rollout import HFEngine
     from esrl.tasks import build_task
@@ -162,9 +163,10 @@ def prepare(mode: str, args) -> tuple[object, callable]:
 
         def unit():
             start = time.perf_counter()
-            out = engine.generate_population(prompts, n, backend.row_weights(members), **gen)
-            t_gen = time.perf_counter()
-            es_step(opt, sel, members, shape_fitness(torch.tensor(rewards_of(out))), spec)
+            with drawn_once():  # as ESModule: the update reuses the load's draws
+                out = engine.generate_population(prompts, n, backend.row_weights(members), **gen)
+                t_gen = time.perf_counter()
+                es_step(opt, sel, members, shape_fitness(torch.tensor(rewards_of(out))), spec)
             end = time.perf_counter()
             return end - start, sum(len(c.token_ids) for cs in out for c in cs), {
                 "generate_s": round(t_gen - start, 2), "update_s": round(end - t_gen, 2), **extra}

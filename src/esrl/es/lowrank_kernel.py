@@ -9,6 +9,8 @@ ES lowrank (A, B: the member's noise factors) and lora (A: lora_A, B^T: scaling 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -16,6 +18,8 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs: the torch ops below
     triton = None
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+"""Triton's interpreter runs the kernel on CPU tensors too (slowly): how the CPU tests check the GPU kernel's math."""
 
 if triton is not None:
     @triton.jit
@@ -46,7 +50,7 @@ if triton is not None:
 
 def lowrank_add_(ys: torch.Tensor, xs: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor) -> None:
     """ys (M, n, out) += (xs (M, n, in) b_t^T) a_t in place, with a_t (M, r, out) and b_t (M, r, in) contiguous."""
-    if triton is not None and ys.is_cuda and ys.is_contiguous():
+    if triton is not None and (ys.is_cuda or INTERPRETED) and ys.is_contiguous():
         m, n, n_out = ys.shape
         xs = xs.reshape(m * n, xs.shape[-1])
         if xs.stride(-1) != 1:

@@ -1,0 +1,69 @@
+"""esrl.es.lowrank_kernel's Triton kernel, checked on the CPU through Triton's interpreter (TRITON_INTERPRET=1).
+
+On a GPU the kernel adds every row's member term in lowrank and lora decoding; tests/test_gpu.py checks it there. Here
+the same kernel source runs in Triton's interpreter, in a child process (the variable must be set before Triton is
+imported): its sums must lie within one rounding of the fp64 answer (the interpreter's bf16 rounding truncates), repeat bit for bit, and agree with the torch
+path that CPU runs use. Masks are exercised: n_in and n_out are not multiples of the kernel's blocks, and rank 3
+pads to 4. This checks the math, not the speed (benchmarks/gpu/).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="Triton not installed (the kernel then never runs)")
+
+# (rank, activation dtype, factor dtype): lowrank's bf16 factors, lora's fp32 adapter factors
+CASES = [(1, torch.bfloat16, torch.bfloat16), (3, torch.bfloat16, torch.bfloat16), (8, torch.float32, torch.float32),
+         (8, torch.bfloat16, torch.float32)]
+
+CHILD = """
+import sys, torch
+from esrl.es.lowrank_kernel import INTERPRETED, lowrank_add_
+assert INTERPRETED
+cases = torch.load(sys.argv[1])
+out = []
+for ys, xs, a_t, b_t in cases:
+    got, again = ys.clone(), ys.clone()
+    lowrank_add_(got, xs, a_t, b_t)
+    lowrank_add_(again, xs, a_t, b_t)
+    out.append((got, again))
+torch.save(out, sys.argv[2])
+"""
+
+
+def _inputs(rank, dtype, factor_dtype, m=3, n=2, n_in=300, n_out=1100):
+    g = torch.Generator().manual_seed(rank)
+    return (torch.randn(m, n, n_out, generator=g).to(dtype), torch.randn(m, n, n_in, generator=g).to(dtype),
+            (torch.randn(m, rank, n_out, generator=g) * 0.1).to(factor_dtype),
+            (torch.randn(m, rank, n_in, generator=g) * 0.1).to(factor_dtype))
+
+
+def test_the_triton_kernel_in_the_interpreter_equals_the_fp64_sum_and_the_torch_path(tmp_path):
+    from esrl.es.lowrank_kernel import INTERPRETED, lowrank_add_
+
+    assert not INTERPRETED  # this process takes the torch path
+    cases = [_inputs(*c) for c in CASES]
+    torch.save(cases, tmp_path / "in.pt")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env,
+                   check=True, timeout=300)
+    for (rank, dtype, _), (ys, xs, a_t, b_t), (got, again) in zip(CASES, cases, torch.load(tmp_path / "out.pt")):
+        assert got.dtype == dtype and torch.equal(got, again), rank  # no atomics: bit for bit
+        want = ys.double() + torch.bmm(torch.bmm(xs.double(), b_t.double().transpose(1, 2)), a_t.double())
+        # summed in fp32, rounded once: the interpreter rounds to bf16 by truncation (within 2^-7; a GPU rounds to
+        # nearest, 2^-8 in tests/test_gpu.py); fp32 sums of 300 products in another order stay within 1e-5
+        tol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
+        assert ((got.double() - want).abs() <= want.abs() * tol + 1e-6).all(), rank
+        torch_path = ys.clone()
+        lowrank_add_(torch_path, xs, a_t, b_t)
+        # the torch path rounds x.B to the activations' dtype first: both within a few roundings of the magnitudes
+        scale = ys.double().abs() + torch.bmm(torch.bmm(xs.double().abs(), b_t.double().abs().transpose(1, 2)),
+                                              a_t.double().abs())
+        assert ((got.double() - torch_path.double()).abs() <= 3 * tol * scale + 1e-6).all(), rank
+        assert not torch.equal(got, ys)  # the term was added
