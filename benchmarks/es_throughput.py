@@ -294,10 +294,19 @@ def main() -> None:
                     help="> 0: instead of one process per mode, all --modes in ONE process (each on its own model "
                          "copy), their units interleaved for this many rounds: the ratios to use on a shared, noisy "
                          "machine (no memory figures)")
+    ap.add_argument("--attention", choices=["repeatable", "any"], default="repeatable",
+                    help="any: let PyTorch pick any SDPA kernel in rollouts, cuDNN's included (not bitwise "
+                         "repeatable on a GPU): the cost of esrl's determinism is the time over this")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     if args.worker:
+        if args.attention == "any":
+            from torch.nn.attention import SDPBackend
+
+            from esrl.rollout import hf
+            hf.ROLLOUT_ATTENTION[:] = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                                       SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
         result = (side_by_side(args.modes.split(","), args) if args.worker == "side-by-side"
                   else worker(args.worker, args))
         print("RESULT " + json.dumps(result), flush=True)
@@ -305,12 +314,12 @@ def main() -> None:
     machine = {"nproc": os.cpu_count(), "cpu": _cpu_model(), "torch": torch.__version__,
                "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
                "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-               "model": args.model, "dtype": args.dtype}
+               "model": args.model, "dtype": args.dtype, "attention": args.attention}
     print(json.dumps({"machine": machine}))
     passthrough = [f"--members={args.members}", f"--new-tokens={args.new_tokens}", f"--rank={args.rank}", f"--lora-rank={args.lora_rank}",
                    f"--repeats={args.repeats}", f"--full-members={args.full_members}",
                    f"--prompts={args.prompts}", f"--model={args.model}", f"--device={args.device}",
-                   f"--dtype={args.dtype}", f"--tokenizer={args.tokenizer}"]
+                   f"--dtype={args.dtype}", f"--tokenizer={args.tokenizer}", f"--attention={args.attention}"]
     compiles = args.compile.split(",")
     if not set(compiles) <= {"off", "auto", "on", "fused"}:
         ap.error(f"--compile: off, auto, on or fused (comma-separated), got {args.compile!r}")

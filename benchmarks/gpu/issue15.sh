@@ -3,10 +3,11 @@
 # floor, lowrank, lora, a single member's generate and full mode), then configs/es_conciseness.yaml end to end.
 # Steps run in order of priority, each under its own time limit; everything lands in $OUT.
 #
-#   device run (carry .whl .gpu):  bash benchmarks/gpu/issue15.sh [steps]   steps: profile,tests,bench1,bench2,sbs,fused,host,e2e
+#   device run (carry .whl .gpu):  bash benchmarks/gpu/issue15.sh [steps]   steps: profile,tests,bench1,bench2,sbs,fused,host,determinism,e2e
 # E2E_ARGS adds esrl fit flags to e2e (e.g. "--model.rollout.compile fused").
 # sbs: the same rows side by side in ONE process (es_throughput.py --rounds), so their ratios share the machine's state.
 # host: benchmarks/es_host_work.py (a chunk's load and the update, with and without reusing the load's draws).
+# determinism: floor and lowrank, recorded and eager, with esrl's repeatable attention and with any kernel.
 # fused: floor, lowrank and lora with rollout.compile: fused (the step torch.compile'd, then recorded) beside the
 # recorded-only path, in one call each so their ratios are side by side.
 # .whl holds the wheels the GPU image lacks (jsonargparse, docstring-parser, typeshed-client); .gpu/tok the
@@ -45,6 +46,11 @@ if has fused; then
 fi
 if has host; then  # the iteration's work around its generate: loads and update, factors drawn once or twice
   (cd benchmarks && timeout 150 python3 es_host_work.py --model random:qwen2.5-1.5b --device cuda --rounds 5 2>&1 | tee "$OUT/host_work.log" | grep '^{')
+fi
+if has determinism; then  # its cost: rollouts free to use any SDPA kernel (cuDNN's, not repeatable) vs esrl's choice
+  for a in repeatable any; do
+    (cd benchmarks && timeout 280 python3 es_throughput.py $BENCH --modes floor,lowrank --compile on,off --repeats 2 --attention $a 2>&1 | grep '^{' | tee "$OUT/bench_attention_$a.jsonl")
+  done
 fi
 if has e2e; then
   python3 - <<'PY'
