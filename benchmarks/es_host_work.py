@@ -57,7 +57,7 @@ def prepare(mode: str, args):
     """(one unit(reuse) -> (load_s, update_s)) for a mode: the population's buffers made once, as in a run."""
     from esrl.es import NoiseSpec, get_mode, lowrank_selection, population, select_params
     from esrl.es.noise import drawn_once
-    from esrl.es.update import es_gradient
+    from esrl.es.update import es_step
 
     model = build_model(args.model, args.device, args.dtype)
     if mode == "lowrank":
@@ -74,6 +74,7 @@ def prepare(mode: str, args):
     members = population(0, 0, args.members, args.antithetic)
     static.load(members)  # a new size allocates its buffers once per run
     weights = torch.linspace(-1, 1, args.members)
+    opt = torch.optim.SGD(sel.params, lr=0.0)  # the whole es_step (grads, checks, step), weights kept as they are
     calls = [0]
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
 
@@ -85,8 +86,7 @@ def prepare(mode: str, args):
             sync()
             loaded = time.perf_counter()
             calls[0] += 1  # fitness differs per iteration (host numbers reach the device anew)
-            for _ in es_gradient(sel, members, weights * (1 + calls[0] / 1000), spec):
-                pass
+            es_step(opt, sel, members, weights * (1 + calls[0] / 1000), spec)
             sync()
             return loaded - start, time.perf_counter() - loaded
 
