@@ -221,7 +221,7 @@ class PopulationPerturbation(PopulationHooks):
                     lowrank_add_(out.view(m, -1, out.shape[-1]), x.reshape(m, -1, x.shape[-1]), a_t, b_t)
                 else:
                     xs = x.reshape(rows, -1, x.shape[-1])
-                    delta = torch.bmm(torch.bmm(xs, b[idx]), a_t[idx])  # (rows, seq, out)
+                    delta = torch.bmm(torch.bmm(xs, b_t[idx].transpose(1, 2)), a_t[idx])  # (rows, seq, out)
                     out = out + delta.view(out.shape)
             if bias is not None:
                 out = out + bias[idx].view(rows, *([1] * (out.dim() - 2)), -1)
