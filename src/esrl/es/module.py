@@ -132,7 +132,7 @@ class ESModule(PolicyModule):
         return scores
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        with drawn_once():  # a member's low-rank factors serve its chunk's generate and the update alike
+        with drawn_once():  # a member's factors / adapter noise serve its chunk's generate and the update alike
             self._iteration(batch["rows"])
 
     def _iteration(self, rows: list[dict[str, Any]]) -> None:
