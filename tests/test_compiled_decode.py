@@ -216,3 +216,28 @@ def test_fused_step_gives_the_static_steps_tokens_with_and_without_a_population(
         backend.static.remove()
     assert results[0] == results[1] and len({tuple(m[-1]) for m in results[1]}) > 1
     assert len(fused.compile_times()) == 2  # the base shape once, the population's once
+
+
+def test_prefill_head_is_one_gemm_when_the_weights_are_frozen(setup):
+    """ES freezes the policy's weights (no grad). The prefill's lm_head then still gets a contiguous (rows, 1, hidden)
+    input, which torch.matmul folds into one matrix product; a strided slice of the prompts' last positions it would
+    run as a batched product over a per-row expansion of the head (7x slower on the 2-core CPU, RESULTS session 12).
+    Same tokens as eager."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model, eager, _ = setup
+    frozen = copy.deepcopy(model).requires_grad_(False)
+    head = frozen.get_output_embeddings().weight
+    inputs = []
+
+    class HeadInputs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.linear.default and args[1] is head:
+                inputs.append(args[0])
+            return func(*args, **(kwargs or {}))
+
+    engine = HFEngine(frozen, eager.tokenizer, compile="auto")  # the static step loop, eagerly, on a CPU
+    with HeadInputs():
+        got = _tokens(engine.generate(PROMPTS * 3, max_new_tokens=NEW, min_new_tokens=NEW))
+    assert got == _tokens(eager.generate(PROMPTS * 3, max_new_tokens=NEW, min_new_tokens=NEW))
+    assert [(tuple(x.shape), x.is_contiguous()) for x in inputs] == [((6, 1, head.shape[1]), True)] * NEW

@@ -120,6 +120,11 @@ class StaticDecoder:
         self.last = torch.zeros(key.rows, 1, **long)  # the token fed to the next step
         self.position = torch.zeros(key.rows, 1, **long)
         self.slot = torch.zeros(1, **long)  # cache slot of the token fed to the next step
+        # the prompt's last position as an index tensor: transformers then gathers a contiguous (rows, 1, hidden) for
+        # lm_head. `logits_to_keep=1` slices a strided view instead, which torch.matmul cannot fold into one GEMM
+        # when the head's weight needs no grad (ES freezes it): it expands the weight per row (0.29 s vs 0.04 s per
+        # prefill of 60 rows on the 2-core CPU, SmolLM2's 49k vocabulary; RESULTS, session 12)
+        self.prompt_end = torch.tensor([key.prompt_len - 1], **long)
         self.step_index = torch.zeros(1, **long)  # which new token the next step chooses
         self.finished = torch.zeros(key.rows, dtype=torch.bool, device=device)
         self.min_new = torch.zeros((), **long)
@@ -173,7 +178,8 @@ class StaticDecoder:
         inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position)
         if self.pass_cache_position:
             inputs["cache_position"] = torch.arange(p, device=input_ids.device)
-        logits = self.model(**inputs, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits
+        logits = self.model(**inputs, past_key_values=self.cache, use_cache=True,
+                            logits_to_keep=self.prompt_end).logits
         self.mask.zero_()
         self.mask[:, 0, 0, :p] = attention_mask.bool()
         self.tokens.fill_(self.pad)
