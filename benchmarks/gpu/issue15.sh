@@ -3,10 +3,11 @@
 # floor, lowrank, lora, a single member's generate and full mode), then configs/es_conciseness.yaml end to end.
 # Steps run in order of priority, each under its own time limit; everything lands in $OUT.
 #
-#   device run (carry .whl .gpu):  bash benchmarks/gpu/issue15.sh [steps]   steps: profile,tests,bench1,bench2,sbs,fused,host,determinism,e2e
+#   device run (carry .whl .gpu):  bash benchmarks/gpu/issue15.sh [steps]   steps: profile,tests,bench1,bench2,sbs,fused,host,prefill,determinism,e2e
 # E2E_ARGS adds esrl fit flags to e2e (e.g. "--model.rollout.compile fused").
 # sbs: the same rows side by side in ONE process (es_throughput.py --rounds), so their ratios share the machine's state.
 # host: benchmarks/es_host_work.py (a chunk's load and the update, with and without reusing the load's draws).
+# prefill: benchmarks/prefill_head.py (a frozen lm_head on the prompts' last positions, by slice or by index).
 # determinism: floor and lowrank, recorded and eager, with esrl's repeatable attention and with any kernel.
 # fused: floor, lowrank and lora with rollout.compile: fused (the step torch.compile'd, then recorded) beside the
 # recorded-only path, in one call each so their ratios are side by side.
@@ -46,6 +47,9 @@ if has fused; then
 fi
 if has host; then  # the iteration's work around its generate: loads and update, factors drawn once or twice
   (cd benchmarks && timeout 150 python3 es_host_work.py --model random:qwen2.5-1.5b --device cuda --rounds 5 2>&1 | tee "$OUT/host_work.log" | grep '^{')
+fi
+if has prefill; then  # the frozen head on a strided slice vs a gathered index (what the static decoder passes)
+  (cd benchmarks && timeout 120 python3 prefill_head.py --model random:qwen2.5-1.5b --device cuda --rows 240 --tokenizer "$ESRL_TOKENIZER" 2>&1 | tee "$OUT/prefill_head.log" | grep '^{')
 fi
 if has determinism; then  # its cost: rollouts free to use any SDPA kernel (cuDNN's, not repeatable) vs esrl's choice
   for a in repeatable any; do
