@@ -249,3 +249,36 @@ def test_streamed_step_equals_one_step_over_all_grads(make_opt):
         opts[1].zero_grad(set_to_none=True)
     for p, q in zip(models[0].parameters(), models[1].parameters()):
         assert torch.equal(p, q) and p.grad is None
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["per-chunk hooks", "static population"])
+def test_rank1_factors_reach_the_hooks_row_major(tiny_lm, tok, static, monkeypatch):
+    """At rank 1 a transposed (M, n, 1) view of the factors counts as contiguous, and its strides then send the CPU's
+    batched GEMV down BLAS's 3.5-7x slower route (RESULTS, session 12): both population paths must hand the hooks
+    row-major copies (strides (n, n, 1))."""
+    import esrl.es.modes.lowrank as lowrank_mode
+    from esrl.es import get_mode
+
+    spec = NoiseSpec(mode="lowrank", sigma=0.01, rank=1)
+    sel = lowrank_selection(tiny_lm, select_params(tiny_lm), spec)
+    members = population(0, 0, 3)
+    seen = []
+    add = lowrank_mode.lowrank_add_
+    monkeypatch.setattr(lowrank_mode, "lowrank_add_", lambda ys, xs, a_t, b_t: seen.append((a_t, b_t)) or
+                        add(ys, xs, a_t, b_t))
+    enc = tok(PROMPTS * len(members), return_tensors="pt", padding=True, add_special_tokens=False)
+    row_member = torch.arange(len(members)).repeat_interleave(len(PROMPTS))
+    with torch.no_grad():
+        if static:
+            population_ = get_mode("lowrank").static_population(tiny_lm, sel, spec)
+            population_.load(members)
+            with population_.population(row_member):
+                tiny_lm(**enc)
+            population_.remove()
+        else:
+            with PopulationPerturbation(tiny_lm, sel, spec, members, row_member):
+                tiny_lm(**enc)
+    assert len(seen) == len(sel)
+    for factors in seen:
+        for t in factors:
+            assert t.stride() == (t.shape[2], t.shape[2], 1), t.stride()

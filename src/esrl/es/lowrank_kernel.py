@@ -48,8 +48,17 @@ if triton is not None:
         tl.store(ys_row + cols, acc.to(ys_ptr.dtype.element_ty), mask=col_ok)
 
 
+def row_major(factors: torch.Tensor) -> torch.Tensor:
+    """A copy of factors (M, r, n) with row-major strides, the layout lowrank_add_ reads. At r = 1 a transposed
+    (M, n, 1) view already counts as contiguous (a size-1 dim's stride is ignored), so `.contiguous()` keeps it, and
+    its transpose then sends the CPU's batched GEMV down BLAS's untransposed route: 3.5-7x slower per decode hook
+    (RESULTS, session 12)."""
+    return factors.clone(memory_format=torch.contiguous_format)
+
+
 def lowrank_add_(ys: torch.Tensor, xs: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor) -> None:
-    """ys (M, n, out) += (xs (M, n, in) b_t^T) a_t in place, with a_t (M, r, out) and b_t (M, r, in) contiguous."""
+    """ys (M, n, out) += (xs (M, n, in) b_t^T) a_t in place, with a_t (M, r, out) and b_t (M, r, in) row-major
+    (`row_major`)."""
     if triton is not None and (ys.is_cuda or INTERPRETED) and ys.is_contiguous():
         m, n, n_out = ys.shape
         xs = xs.reshape(m * n, xs.shape[-1])

@@ -18,6 +18,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from esrl.es.lowrank_kernel import row_major
 from esrl.es.noise import Member, NoiseSpec
 from esrl.es.params import ParamSelection
 
@@ -58,7 +59,7 @@ class StaticPopulation:
         self.members = len(members)
         if self.members not in self._sizes:
             filled = self._fill(members)
-            buffers = {key: tuple(t.contiguous().clone() for t in tensors) for key, tensors in filled.items()}
+            buffers = {key: tuple(row_major(t) for t in tensors) for key, tensors in filled.items()}
             for tensors in buffers.values():
                 for t in tensors:
                     torch._dynamo.mark_static_address(t)  # CUDA graphs read it in place, no copy per replay

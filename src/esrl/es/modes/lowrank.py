@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 
 from esrl.errors import ConfigError, require
-from esrl.es.lowrank_kernel import lowrank_add_
+from esrl.es.lowrank_kernel import lowrank_add_, row_major
 from esrl.es.modes.base import Adapter, NoiseMode
 from esrl.es.noise import (Member, NoiseSpec, gaussian, generator_on, lowrank_direction, lowrank_factors,
                            lowrank_gradient, member_weight, scaled_factor, tensor_scale)
@@ -206,8 +206,8 @@ class PopulationPerturbation(PopulationHooks):
 
     def _linear_hook(self, factors: dict[str, torch.Tensor]):
         a, b, bias = factors.get("A"), factors.get("B"), factors.get("bias")
-        a_t = a.transpose(1, 2).contiguous() if a is not None else None  # (M, r, out)
-        b_t = b.transpose(1, 2).contiguous() if a is not None else None  # (M, r, in)
+        a_t = row_major(a.transpose(1, 2)) if a is not None else None  # (M, r, out)
+        b_t = row_major(b.transpose(1, 2)) if a is not None else None  # (M, r, in)
 
         def hook(module, args, out):
             x = args[0]
