@@ -199,3 +199,33 @@ def test_vllm_gets_the_adapter_every_step_and_follows_it(tmp_path_factory):
     want = [c.token_ids for c in HFEngine(module.policy, tok).generate(prompts, **greedy)]
     assert [c.token_ids for c in module.engine.generate(prompts, **greedy)] == want
     assert want != [c.token_ids for c in HFEngine(load_causal_lm(model), tok).generate(prompts, **greedy)]
+
+
+def test_logps_of_a_frozen_model_keep_the_head_one_gemm(tiny_model):
+    """A reference model, or LoRA's base, has a frozen lm_head: per_token_logps hands it a contiguous (B, k + 1,
+    hidden) input, which torch.matmul folds into one GEMM, not the strided slice transformers' int logits_to_keep
+    takes, which it would run as a batched product per row (RESULTS session 12). Values as through the slice."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from esrl.models import load_causal_lm, load_tokenizer
+    from esrl.models.logps import per_token_logps, selective_log_softmax
+
+    model = load_causal_lm(tiny_model).requires_grad_(False)
+    head = model.get_output_embeddings().weight
+    enc = load_tokenizer(tiny_model)(PROMPTS, return_tensors="pt", padding=True, add_special_tokens=False)
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    products = []
+
+    class HeadProducts(TorchDispatchMode):  # under no_grad linear reaches it as matmul's mm or bmm
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default) and head.shape[0] in args[1].shape:
+                products.append((func, tuple(args[0].shape)))
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad():
+        with HeadProducts():
+            got = per_token_logps(model, ids, mask, 3, 0.7)
+        sliced = model(input_ids=ids, attention_mask=mask, logits_to_keep=4).logits
+        want = selective_log_softmax(sliced[:, :-1], ids[:, -3:], 0.7).masked_fill(mask[:, -3:] == 0, 0.0)
+    assert products == [(torch.ops.aten.mm.default, (2 * 4, head.shape[1]))]
+    assert torch.allclose(got, want, atol=1e-6, rtol=0)
