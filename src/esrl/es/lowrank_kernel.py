@@ -49,10 +49,10 @@ if triton is not None:
 
 
 def row_major(factors: torch.Tensor) -> torch.Tensor:
-    """A copy of factors (M, r, n) with row-major strides, the layout lowrank_add_ reads. At r = 1 a transposed
-    (M, n, 1) view already counts as contiguous (a size-1 dim's stride is ignored), so `.contiguous()` keeps it, and
-    its transpose then sends the CPU's batched GEMV down BLAS's untransposed route: 3.5-7x slower per decode hook
-    (RESULTS, session 12)."""
+    """A copy of factors (M, r, n) with row-major strides, the layout lowrank_add_ reads. At r = 1 the transpose of
+    an (M, n, 1) tensor already counts as contiguous (a size-1 dim's stride is ignored), so `.contiguous()` keeps
+    it, and lowrank_add_'s transpose of that sends the CPU's batched GEMV down BLAS's untransposed route: 3.5-7x
+    slower per hook call (RESULTS, session 12)."""
     return factors.clone(memory_format=torch.contiguous_format)
 
 
