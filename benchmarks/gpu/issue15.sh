@@ -4,7 +4,8 @@
 # Steps run in order of priority, each under its own time limit; everything lands in $OUT.
 #
 #   device run (carry .whl .gpu):  bash benchmarks/gpu/issue15.sh [steps]   steps: profile,tests,bench1,bench2,sbs,fused,host,prefill,determinism,e2e
-# E2E_ARGS adds esrl fit flags to e2e (e.g. "--model.rollout.compile fused").
+# E2E_ARGS adds esrl fit flags to e2e (e.g. "--model.rollout.compile fused"); DET_COMPILE=on limits determinism to the
+# recorded path (the default on CUDA).
 # sbs: the same rows side by side in ONE process (es_throughput.py --rounds), so their ratios share the machine's state.
 # host: benchmarks/es_host_work.py (a chunk's load and the update, with and without reusing the load's draws).
 # prefill: benchmarks/prefill_head.py (a frozen lm_head on the prompts' last positions, by slice or by index).
@@ -53,7 +54,7 @@ if has prefill; then  # the frozen head on a strided slice vs a gathered index (
 fi
 if has determinism; then  # its cost: rollouts free to use any SDPA kernel (cuDNN's, not repeatable) vs esrl's choice
   for a in repeatable any; do
-    (cd benchmarks && timeout 280 python3 es_throughput.py $BENCH --modes floor,lowrank --compile on,off --repeats 2 --attention $a 2>&1 | grep '^{' | tee "$OUT/bench_attention_$a.jsonl")
+    (cd benchmarks && timeout 280 python3 es_throughput.py $BENCH --modes floor,lowrank --compile ${DET_COMPILE:-on,off} --repeats 2 --attention $a 2>&1 | grep '^{' | tee "$OUT/bench_attention_$a.jsonl")
   done
 fi
 if has e2e; then

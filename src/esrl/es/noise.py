@@ -26,6 +26,7 @@ from typing import Iterator, Literal, Sequence
 
 import torch
 
+from esrl.es import philox
 from esrl.seeding import MASK63, derive_seed
 
 
@@ -108,16 +109,50 @@ def gaussian(seed: int, tensor_index: int, shape: Sequence[int], device: torch.d
         key = (seed, tensor_index, tuple(shape), torch.device(device))
         if key in drawn["draws"]:
             return drawn["draws"][key]
-    generator = generator_on(device, generator)
-    generator.manual_seed((seed + tensor_index) & MASK63)
-    eps = torch.randn(tuple(shape), generator=generator, device=generator.device, dtype=torch.float32)
-    if drawn is not None and drawn["bytes"] + 4 * eps.numel() <= drawn["max_bytes"]:
-        drawn["draws"][key] = eps
-        drawn["bytes"] += 4 * eps.numel()
+    if philox.available(device):  # GPU: key seed, stream tensor_index (below the factors' streams)
+        eps = philox.normal_slabs([seed], [(tensor_index, math.prod(shape))], device)[0].view(tuple(shape))
+    else:
+        generator = generator_on(device, generator)
+        generator.manual_seed((seed + tensor_index) & MASK63)
+        eps = torch.randn(tuple(shape), generator=generator, device=generator.device, dtype=torch.float32)
+    if drawn is not None:
+        _keep(drawn, key, eps, 4 * eps.numel())
     return eps
 
 
+def _keep(drawn: dict, key: tuple, value, nbytes: int) -> None:
+    """Serve `value` again for `key` inside this drawn_once block, while its memory budget lasts."""
+    if drawn["bytes"] + nbytes <= drawn["max_bytes"]:
+        drawn["draws"][key] = value
+        drawn["bytes"] += nbytes
+
+
 tensor_noise = gaussian  # the name the rest of the code base and the tests know
+
+
+def gaussian_stack(seeds: Sequence[int], tensor_index: int, shape: Sequence[int],
+                   device: torch.device | str = "cpu", generator: torch.Generator | None = None) -> torch.Tensor:
+    """gaussian of every seed on one tensor, stacked (K, *shape), a new tensor: on a GPU the draws not kept by
+    `drawn_once` are one launch, each seed once; inside the block they are kept as gaussian(reuse=True) keeps them."""
+    device = torch.device(device)
+    drawn = _DRAWN.get()
+    kept = drawn["draws"] if drawn is not None else {}
+    keys = [(seed, tensor_index, tuple(shape), device) for seed in seeds]
+    missing = list(dict.fromkeys(k for k in keys if k not in kept))
+    if missing and philox.available(device):
+        slab = philox.normal_slabs([k[0] for k in missing], [(tensor_index, math.prod(shape))], device)[0]
+        fresh = dict(zip(missing, slab.view(-1, *shape).unbind(0)))
+    else:
+        fresh = {k: gaussian(k[0], tensor_index, shape, device, generator) for k in missing}
+    if drawn is not None:
+        for key, eps in fresh.items():
+            _keep(drawn, key, eps, 4 * eps.numel())
+    return torch.stack([kept[k] if k in kept else fresh[k] for k in keys])
+
+
+FACTOR_STREAMS = (2**30, 2**31)
+"""On the GPU (esrl.es.philox) the A and B factors of tensor j are streams 2^30 + j and 2^31 + j under the member's
+seed, apart from its full-noise streams j: no per-factor seed to hash, and one launch draws a chunk's factors."""
 
 
 def lowrank_factors(seed: int, tensor_index: int, shape: Sequence[int], rank: int,
@@ -125,10 +160,37 @@ def lowrank_factors(seed: int, tensor_index: int, shape: Sequence[int], rank: in
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """A (out x r) and B (in x r), standard normal in fp32, for a 2-D tensor of `shape` = (out, in); reused inside
     `drawn_once`."""
+    a, b = factor_stacks([seed], tensor_index, shape, rank, device, generator)
+    return a[0], b[0]
+
+
+def factor_stacks(seeds: Sequence[int], tensor_index: int, shape: Sequence[int], rank: int,
+                  device: torch.device | str = "cpu", generator: torch.Generator | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """lowrank_factors of every seed, stacked: A (K, out, r) and B (K, in, r), new tensors (callers may scale them in
+    place). On a GPU the missing ones are drawn in one launch; inside `drawn_once` each seed's pair is kept for the
+    next ask (the update), and a seed listed twice (antithetic pairs) is drawn once."""
     out_f, in_f = shape
-    a = gaussian(factor_seed(seed, tensor_index, "A"), 0, (out_f, rank), device, generator, reuse=True)
-    b = gaussian(factor_seed(seed, tensor_index, "B"), 0, (in_f, rank), device, generator, reuse=True)
-    return a, b
+    device = torch.device(device)
+    drawn = _DRAWN.get()
+    kept = drawn["draws"] if drawn is not None else {}
+    keys = [(seed, tensor_index, tuple(shape), rank, device) for seed in seeds]
+    missing = list(dict.fromkeys(k for k in keys if k not in kept))  # each seed drawn once (antithetic pairs)
+    fresh = {}
+    if missing and philox.available(device):
+        streams = [s + tensor_index for s in FACTOR_STREAMS]
+        a, b = philox.normal_slabs([k[0] for k in missing], [(streams[0], out_f * rank), (streams[1], in_f * rank)],
+                                   device)
+        fresh = dict(zip(missing, zip(a.view(-1, out_f, rank).unbind(0), b.view(-1, in_f, rank).unbind(0))))
+    elif missing:
+        fresh = {k: (gaussian(factor_seed(k[0], tensor_index, "A"), 0, (out_f, rank), device, generator),
+                     gaussian(factor_seed(k[0], tensor_index, "B"), 0, (in_f, rank), device, generator))
+                 for k in missing}
+    if drawn is not None:
+        for key, pair in fresh.items():
+            _keep(drawn, key, pair, 4 * rank * (out_f + in_f))
+    pairs = [kept[k] if k in kept else fresh[k] for k in keys]
+    return torch.stack([a for a, _ in pairs]), torch.stack([b for _, b in pairs])
 
 
 def lowrank_direction(seed: int, tensor_index: int, shape: Sequence[int], rank: int,
@@ -201,8 +263,8 @@ def lowrank_gradient(coef: dict[int, float], n: int, tensor_index: int, shape: S
     """(1/N) sum_k c_k A_k B_k^T / sqrt(r) as one (out x Kr) @ (Kr x in) matmul in fp32 (no per-member matrix)."""
     if not coef:
         return torch.zeros(tuple(shape), dtype=torch.float32, device=device)
-    fa, fb = zip(*(lowrank_factors(s, tensor_index, shape, rank, device, generator) for s in coef))
+    fa, fb = factor_stacks(list(coef), tensor_index, shape, rank, device, generator)
     c = on_device(list(coef.values()), device)
-    a = (torch.stack(fa) * c.view(-1, 1, 1)).transpose(0, 1).reshape(shape[0], -1)  # (out, K r): diag(c) A
-    b = torch.stack(fb).transpose(0, 1).reshape(shape[1], -1)  # (in, K r)
+    a = (fa * c.view(-1, 1, 1)).transpose(0, 1).reshape(shape[0], -1)  # (out, K r): diag(c) A
+    b = fb.transpose(0, 1).reshape(shape[1], -1)  # (in, K r)
     return (a @ b.T).div_(math.sqrt(rank) * n)

@@ -15,8 +15,7 @@ Read top to bottom, one step is:
 With num_iterations = mu > 1, the rollouts of one optimizer step are kept and trained on for mu
 optimizer steps. Rolling the whole window out before its first backward makes dapo/cispo/vespo's divisor
 (TRL's num_items_in_batch, the step's loss tokens on every process) known to every micro-batch's loss, so the
-gradient Lightning (or DeepSpeed) accumulates is TRL's without touching gradient buffers afterwards.
-"""
+gradient Lightning (or DeepSpeed) accumulates is TRL's without touching gradient buffers afterwards."""
 
 from __future__ import annotations
 
@@ -204,7 +203,9 @@ class GRPOModule(PolicyModule):
                                    accumulate_grad_batches=accumulate, importance_sampling_ratio=rollout.is_ratio)
         self._step_loss += float(loss.detach()) / accumulate  # Lightning divides the loss by accumulate too
         self._log_step(rollout, stats)
-        return loss
+        # DeepSpeed's engine divides by its gradient_accumulation_steps (= A) once more in backward; transformers'
+        # Trainer turns that off (scale_wrt_gas=False), Lightning does not: undone here, so the update is TRL's.
+        return loss * accumulate if isinstance(self.trainer.strategy, DeepSpeedStrategy) else loss
 
     def roll_out_window(self, batch: dict[str, Any], first: int) -> None:
         """Roll out micro-batches first..A-1 of this optimizer step now, before any of their backwards: the batch

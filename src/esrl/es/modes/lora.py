@@ -36,7 +36,7 @@ import torch
 from esrl.errors import ConfigError, require
 from esrl.es.lowrank_kernel import lowrank_add_
 from esrl.es.modes.base import Adapter, NoiseMode
-from esrl.es.noise import gaussian, gaussian_gradient, generator_on, member_weight, tensor_scale
+from esrl.es.noise import gaussian_gradient, gaussian_stack, generator_on, member_weight, tensor_scale
 from esrl.es.params import ParamSelection, linear_weight_only, param_owners
 from esrl.es.population_hooks import PopulationHooks
 from esrl.es.static_population import StaticPopulation
@@ -181,8 +181,8 @@ class LoraPopulation(PopulationHooks):
 def _member_weights(members, j: int, p: torch.Tensor, spec, generator) -> torch.Tensor:
     """(M, *p.shape): each member's perturbed copy of tensor p, exactly as the in-place perturbation writes it."""
     scale = tensor_scale(p, spec)
-    return torch.stack([member_weight(p, gaussian(m.seed, j, p.shape, p.device, generator, reuse=True), m.sign, scale)
-                        for m in members])
+    eps = gaussian_stack([m.seed for m in members], j, p.shape, p.device, generator)
+    return torch.stack([member_weight(p, e, m.sign, scale) for e, m in zip(eps, members)])
 
 
 @torch.no_grad()
@@ -220,8 +220,9 @@ def write_member_adapters(model: torch.nn.Module, selection: ParamSelection, spe
         name, k = where[id(p)]
         scale = tensor_scale(p, spec)
         generator = generator_on(p.device, generator)
-        for slot, m in zip(slots[name][k], members):
-            member_weight(p, gaussian(m.seed, j, p.shape, p.device, generator, reuse=True), m.sign, scale, out=slot)
+        eps = gaussian_stack([m.seed for m in members], j, p.shape, p.device, generator)
+        for slot, e, m in zip(slots[name][k], eps, members):
+            member_weight(p, e, m.sign, scale, out=slot)
         written.add((name, k))
     for name, (a, b, scaling) in modules.items():
         for k, factor in enumerate((a, b)):

@@ -28,7 +28,7 @@ import torch
 from esrl.errors import ConfigError, require
 from esrl.es.lowrank_kernel import lowrank_add_, row_major
 from esrl.es.modes.base import Adapter, NoiseMode
-from esrl.es.noise import (Member, NoiseSpec, gaussian, generator_on, lowrank_direction, lowrank_factors,
+from esrl.es.noise import (Member, NoiseSpec, factor_stacks, gaussian, generator_on, lowrank_direction,
                            lowrank_gradient, member_weight, scaled_factor, tensor_scale)
 from esrl.es.params import ParamSelection, linear_weight_only, param_owners, select_params
 from esrl.es.population_hooks import PopulationHooks
@@ -155,9 +155,9 @@ class StaticLowRank(StaticPopulation):
 def _member_factors(members: Sequence[Member], j: int, p: torch.Tensor, spec: NoiseSpec,
                     generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """A (M, out, r) with sign_i s_j / sqrt(r) folded in, and B (M, in, r), both in the weights' dtype."""
-    fa, fb = zip(*(lowrank_factors(m.seed, j, p.shape, spec.rank, p.device, generator) for m in members))
-    a = scaled_factor(torch.stack(fa), [m.sign for m in members], tensor_scale(p, spec), spec.rank)
-    return a.to(p.dtype), torch.stack(fb).to(p.dtype)
+    a, b = factor_stacks([m.seed for m in members], j, p.shape, spec.rank, p.device, generator)
+    a = scaled_factor(a, [m.sign for m in members], tensor_scale(p, spec), spec.rank)
+    return a.to(p.dtype), b.to(p.dtype)
 
 
 class PopulationPerturbation(PopulationHooks):
