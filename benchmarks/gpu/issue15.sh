@@ -5,7 +5,7 @@
 #
 #   device run (carry .whl .gpu):  bash benchmarks/gpu/issue15.sh [steps]   steps: profile,tests,bench1,bench2,sbs,fused,host,prefill,determinism,e2e
 # E2E_ARGS adds esrl fit flags to e2e (e.g. "--model.rollout.compile fused"); DET_COMPILE=on limits determinism to the
-# recorded path (the default on CUDA).
+# recorded path (the default on CUDA); BENCH2_MODES overrides bench2's modes (e.g. single,full).
 # sbs: the same rows side by side in ONE process (es_throughput.py --rounds), so their ratios share the machine's state.
 # host: benchmarks/es_host_work.py (a chunk's load and the update, with and without reusing the load's draws).
 # prefill: benchmarks/prefill_head.py (a frozen lm_head on the prompts' last positions, by slice or by index).
@@ -36,7 +36,7 @@ if has bench1; then
   (cd benchmarks && timeout 200 python3 es_throughput.py $BENCH --modes floor,lowrank --compile on --repeats 2 2>&1 | grep '^{' | tee "$OUT/bench_compiled1.jsonl")
 fi
 if has bench2; then
-  (cd benchmarks && timeout 240 python3 es_throughput.py $BENCH --modes lora,single,full --compile on --repeats 2 --full-members 3 2>&1 | tee "$OUT/bench_compiled2.log" | grep '^{')
+  (cd benchmarks && timeout 240 python3 es_throughput.py $BENCH --modes ${BENCH2_MODES:-lora,single,full} --compile on --repeats 2 --full-members 3 2>&1 | tee "$OUT/bench_compiled2.log" | grep '^{')
 fi
 if has sbs; then  # the ratios side by side: floor, lowrank, lora and one member's rows in one process, 3 rounds
   (cd benchmarks && timeout 400 python3 es_throughput.py $BENCH --modes floor,lowrank,lora,single --compile on --rounds 3 2>&1 | tee "$OUT/bench_sbs.log" | grep '^{')
