@@ -109,7 +109,7 @@ def gaussian(seed: int, tensor_index: int, shape: Sequence[int], device: torch.d
         key = (seed, tensor_index, tuple(shape), torch.device(device))
         if key in drawn["draws"]:
             return drawn["draws"][key]
-    if philox.available(device):  # GPU: key seed, stream tensor_index (below the factors' streams)
+    if _batched(device, math.prod(shape)):  # GPU: key seed, stream tensor_index (below the factors' streams)
         eps = philox.normal_slabs([seed], [(tensor_index, math.prod(shape))], device)[0].view(tuple(shape))
     else:
         generator = generator_on(device, generator)
@@ -118,6 +118,16 @@ def gaussian(seed: int, tensor_index: int, shape: Sequence[int], device: torch.d
     if drawn is not None:
         _keep(drawn, key, eps, 4 * eps.numel())
     return eps
+
+
+PHILOX_MAX_NUMBERS = 2**18
+"""Draws up to this size (factors, adapter noise, vectors) use esrl.es.philox on a GPU, so a chunk's are one launch;
+larger ones (full mode's whole matrices, one launch each anyway) keep torch's generator, 8x faster per number there
+(a 1.5B full-mode member's noise: 0.41 s by Philox; RESULTS, session 13)."""
+
+
+def _batched(device: torch.device | str, numbers: int) -> bool:
+    return numbers <= PHILOX_MAX_NUMBERS and philox.available(device)
 
 
 def _keep(drawn: dict, key: tuple, value, nbytes: int) -> None:
@@ -139,7 +149,7 @@ def gaussian_stack(seeds: Sequence[int], tensor_index: int, shape: Sequence[int]
     kept = drawn["draws"] if drawn is not None else {}
     keys = [(seed, tensor_index, tuple(shape), device) for seed in seeds]
     missing = list(dict.fromkeys(k for k in keys if k not in kept))
-    if missing and philox.available(device):
+    if missing and _batched(device, math.prod(shape)):
         slab = philox.normal_slabs([k[0] for k in missing], [(tensor_index, math.prod(shape))], device)[0]
         fresh = dict(zip(missing, slab.view(-1, *shape).unbind(0)))
     else:
@@ -177,7 +187,7 @@ def factor_stacks(seeds: Sequence[int], tensor_index: int, shape: Sequence[int],
     keys = [(seed, tensor_index, tuple(shape), rank, device) for seed in seeds]
     missing = list(dict.fromkeys(k for k in keys if k not in kept))  # each seed drawn once (antithetic pairs)
     fresh = {}
-    if missing and philox.available(device):
+    if missing and _batched(device, rank * max(out_f, in_f)):
         streams = [s + tensor_index for s in FACTOR_STREAMS]
         a, b = philox.normal_slabs([k[0] for k in missing], [(streams[0], out_f * rank), (streams[1], in_f * rank)],
                                    device)

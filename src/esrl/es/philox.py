@@ -21,7 +21,8 @@ from esrl.es.lowrank_kernel import INTERPRETED, triton
 if triton is not None:
     import triton.language as tl
 
-    @triton.jit
+    # the sizes and streams change with every matrix: one compile for all of them, not one per divisibility class
+    @triton.jit(do_not_specialize=["n_keys", "stream0", "size0", "stream1", "size1"])
     def _normal_draws(out_ptr, keys_ptr, n_keys, stream0, size0, stream1, size1, CHUNK: tl.constexpr,
                       BLOCK: tl.constexpr):
         """Program (c, i, p): chunk c of part p's row i = randn(keys[i], stream_p * 2^32 + k) for k in the chunk;
