@@ -199,6 +199,8 @@ def prepare(mode: str, args) -> tuple[object, callable]:
         k = min(args.full_members, n)
         if engine.compiled:  # the compile is not a member's cost
             engine.generate(prompts, greedy=True, **gen)
+        with perturber.perturbed(members[0], 0.01):  # nor the noise kernel's one compile (Triton, on a GPU)
+            pass
 
         def unit():
             fitness = []
