@@ -12,6 +12,9 @@ Noise of tensor j of member i: s_j * sign_i * eps_ij, with
 - s_j = sigma (`sigma_scaling: global`) or sigma * RMS(theta_j) (`rms`, of the unperturbed tensor).
 The update ascends g_j = (1/N) sum_i z_i sign_i (s_j / sigma) eps_ij, so `global` is exactly the paper's
 g = (1/N) sum z_i eps_i; members sharing a seed (antithetic pairs) fold into one draw.
+
+Draws: torch's generator on a CPU; on a GPU, draws of up to PHILOX_MAX_NUMBERS numbers are Triton's counter-based
+Philox (esrl.es.philox), so the stacks (`factor_stacks`, `gaussian_stack`) draw a chunk's members in one launch.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Iterator, Literal, Sequence
+from typing import Callable, Iterator, Literal, Sequence
 
 import torch
 
@@ -122,8 +125,9 @@ def gaussian(seed: int, tensor_index: int, shape: Sequence[int], device: torch.d
 
 PHILOX_MAX_NUMBERS = 2**18
 """Draws up to this size (factors, adapter noise, vectors) use esrl.es.philox on a GPU, so a chunk's are one launch;
-larger ones (full mode's whole matrices, one launch each anyway) keep torch's generator, 8x faster per number there
-(a 1.5B full-mode member's noise: 0.41 s by Philox; RESULTS, session 13)."""
+larger ones (full mode's whole matrices, one launch each anyway) keep torch's curand kernel, which makes four numbers
+per counter where tl.randn makes one (full mode per member on an H100: 1.33x a member's generate with every draw by
+Philox, a unit that may hold the kernel's compile; 1.04x in session 6 with torch's generator; RESULTS, session 13)."""
 
 
 def _batched(device: torch.device | str, numbers: int) -> bool:
@@ -137,6 +141,19 @@ def _keep(drawn: dict, key: tuple, value, nbytes: int) -> None:
         drawn["bytes"] += nbytes
 
 
+def _draws_of(keys: list[tuple], draw: Callable[[list[tuple]], dict], nbytes: int) -> list:
+    """The draw of every key: kept ones from the drawn_once block, the others made by `draw(missing keys)` (each key
+    once, so antithetic pairs draw once) and kept."""
+    drawn = _DRAWN.get()
+    kept = drawn["draws"] if drawn is not None else {}
+    missing = list(dict.fromkeys(k for k in keys if k not in kept))
+    fresh = draw(missing) if missing else {}
+    if drawn is not None:
+        for key, value in fresh.items():
+            _keep(drawn, key, value, nbytes)
+    return [kept[k] if k in kept else fresh[k] for k in keys]
+
+
 tensor_noise = gaussian  # the name the rest of the code base and the tests know
 
 
@@ -144,20 +161,15 @@ def gaussian_stack(seeds: Sequence[int], tensor_index: int, shape: Sequence[int]
                    device: torch.device | str = "cpu", generator: torch.Generator | None = None) -> torch.Tensor:
     """gaussian of every seed on one tensor, stacked (K, *shape), a new tensor: on a GPU the draws not kept by
     `drawn_once` are one launch, each seed once; inside the block they are kept as gaussian(reuse=True) keeps them."""
-    device = torch.device(device)
-    drawn = _DRAWN.get()
-    kept = drawn["draws"] if drawn is not None else {}
-    keys = [(seed, tensor_index, tuple(shape), device) for seed in seeds]
-    missing = list(dict.fromkeys(k for k in keys if k not in kept))
-    if missing and _batched(device, math.prod(shape)):
-        slab = philox.normal_slabs([k[0] for k in missing], [(tensor_index, math.prod(shape))], device)[0]
-        fresh = dict(zip(missing, slab.view(-1, *shape).unbind(0)))
-    else:
-        fresh = {k: gaussian(k[0], tensor_index, shape, device, generator) for k in missing}
-    if drawn is not None:
-        for key, eps in fresh.items():
-            _keep(drawn, key, eps, 4 * eps.numel())
-    return torch.stack([kept[k] if k in kept else fresh[k] for k in keys])
+    device, numbers = torch.device(device), math.prod(shape)
+
+    def draw(missing):
+        if _batched(device, numbers):
+            slab = philox.normal_slabs([k[0] for k in missing], [(tensor_index, numbers)], device)[0]
+            return dict(zip(missing, slab.view(-1, *shape).unbind(0)))
+        return {k: gaussian(k[0], tensor_index, shape, device, generator) for k in missing}
+
+    return torch.stack(_draws_of([(seed, tensor_index, tuple(shape), device) for seed in seeds], draw, 4 * numbers))
 
 
 FACTOR_STREAMS = (2**30, 2**31)
@@ -182,24 +194,19 @@ def factor_stacks(seeds: Sequence[int], tensor_index: int, shape: Sequence[int],
     next ask (the update), and a seed listed twice (antithetic pairs) is drawn once."""
     out_f, in_f = shape
     device = torch.device(device)
-    drawn = _DRAWN.get()
-    kept = drawn["draws"] if drawn is not None else {}
+
+    def draw(missing):
+        if _batched(device, rank * max(out_f, in_f)):
+            streams = [s + tensor_index for s in FACTOR_STREAMS]
+            a, b = philox.normal_slabs([k[0] for k in missing],
+                                       [(streams[0], out_f * rank), (streams[1], in_f * rank)], device)
+            return dict(zip(missing, zip(a.view(-1, out_f, rank).unbind(0), b.view(-1, in_f, rank).unbind(0))))
+        return {k: (gaussian(factor_seed(k[0], tensor_index, "A"), 0, (out_f, rank), device, generator),
+                    gaussian(factor_seed(k[0], tensor_index, "B"), 0, (in_f, rank), device, generator))
+                for k in missing}
+
     keys = [(seed, tensor_index, tuple(shape), rank, device) for seed in seeds]
-    missing = list(dict.fromkeys(k for k in keys if k not in kept))  # each seed drawn once (antithetic pairs)
-    fresh = {}
-    if missing and _batched(device, rank * max(out_f, in_f)):
-        streams = [s + tensor_index for s in FACTOR_STREAMS]
-        a, b = philox.normal_slabs([k[0] for k in missing], [(streams[0], out_f * rank), (streams[1], in_f * rank)],
-                                   device)
-        fresh = dict(zip(missing, zip(a.view(-1, out_f, rank).unbind(0), b.view(-1, in_f, rank).unbind(0))))
-    elif missing:
-        fresh = {k: (gaussian(factor_seed(k[0], tensor_index, "A"), 0, (out_f, rank), device, generator),
-                     gaussian(factor_seed(k[0], tensor_index, "B"), 0, (in_f, rank), device, generator))
-                 for k in missing}
-    if drawn is not None:
-        for key, pair in fresh.items():
-            _keep(drawn, key, pair, 4 * rank * (out_f + in_f))
-    pairs = [kept[k] if k in kept else fresh[k] for k in keys]
+    pairs = _draws_of(keys, draw, 4 * rank * (out_f + in_f))
     return torch.stack([a for a, _ in pairs]), torch.stack([b for _, b in pairs])
 
 

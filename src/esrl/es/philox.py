@@ -1,8 +1,8 @@
 """ES noise on a GPU: standard normals as a pure function of (key, stream, element), many draws in one launch.
 
 torch's CUDA generator makes one draw per seeded launch, and an ES iteration makes thousands of small seeded draws
-(lowrank factors: 196 matrices x 30 members x 2 on a 1.5B model): each a launch plus host work, 0.3 s of host time
-per lowrank iteration on an H100 (RESULTS, session 13), about 15% of its generate. Triton's counter-based Philox
+(lowrank factors: 196 matrices x 30 members x 2 on a 1.5B model): each a launch plus host work, 0.31 s per lowrank
+iteration's load on an H100, 15% of the recorded floor's 2.0 s generate (RESULTS, session 13; 0.09 s with this). Triton's counter-based Philox
 (`tl.randn(key, counter)`) makes element k of stream s under a key a function of (key, s, k) alone (counter =
 s * 2^32 + k), so the draws of many keys and streams made in one launch equal the same draws made one by one, on
 any chunking. esrl.es.noise uses it on CUDA (and under Triton's interpreter, which is how the CPU tests check it);

@@ -15,7 +15,8 @@ Read top to bottom, one step is:
 With num_iterations = mu > 1, the rollouts of one optimizer step are kept and trained on for mu
 optimizer steps. Rolling the whole window out before its first backward makes dapo/cispo/vespo's divisor
 (TRL's num_items_in_batch, the step's loss tokens on every process) known to every micro-batch's loss, so the
-gradient Lightning (or DeepSpeed) accumulates is TRL's without touching gradient buffers afterwards."""
+gradient Lightning (or DeepSpeed) accumulates is TRL's without touching gradient buffers afterwards.
+"""
 
 from __future__ import annotations
 
