@@ -20,7 +20,7 @@ pytest.importorskip("triton", reason="Triton not installed (CUDA runs then keep 
 CHILD = """
 import sys, torch
 from esrl.es import philox
-from esrl.es.noise import drawn_once, factor_stacks, gaussian, lowrank_factors
+from esrl.es.noise import drawn_once, factor_stacks, gaussian, gaussian_stack, lowrank_factors
 assert philox.available("cpu")
 seeds = [11, 2**62 + 5, 11, 7]  # a 63-bit seed, and one listed twice (an antithetic pair)
 shape, rank = (70, 1030), 5  # B: 5,150 numbers, two of the kernel's chunks, neither a multiple of its block
@@ -31,7 +31,8 @@ with drawn_once():
     served = factor_stacks(seeds[::-1], 4, shape, rank)
 out = {"a": a, "b": b, "singles": singles, "kept": kept, "served": served,
        "g": gaussian(11, 4, (300, 70)), "g_again": gaussian(11, 4, (300, 70)), "g_next": gaussian(11, 5, (300, 70)),
-       "g_key": gaussian(12, 4, (300, 70)), "big": gaussian(3, 0, (200_000,))}
+       "g_key": gaussian(12, 4, (300, 70)), "big": gaussian(3, 0, (200_000,)),
+       "g_stack": gaussian_stack([11, 12, 11], 4, (300, 70))}
 torch.save(out, sys.argv[1])
 """
 
@@ -54,6 +55,7 @@ def test_draws_made_together_equal_the_same_draws_made_one_by_one(drawn):
     served_a, served_b = drawn["served"]  # the block's kept pairs, asked for in another order and with a new seed
     assert torch.equal(served_a, a.flip(0)) and torch.equal(served_b, b.flip(0))
     assert torch.equal(drawn["kept"][0], a[:2])
+    assert torch.equal(drawn["g_stack"], torch.stack([drawn["g"], drawn["g_key"], drawn["g"]]))  # lora's adapter noise
 
 
 def test_the_streams_are_standard_normal_and_independent(drawn):
