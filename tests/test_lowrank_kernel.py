@@ -18,9 +18,10 @@ import torch
 
 pytest.importorskip("triton", reason="Triton not installed (the kernel then never runs)")
 
-# (rank, activation dtype, factor dtype): lowrank's bf16 factors, lora's fp32 adapter factors
-CASES = [(1, torch.bfloat16, torch.bfloat16), (3, torch.bfloat16, torch.bfloat16), (8, torch.float32, torch.float32),
-         (8, torch.bfloat16, torch.float32)]
+# (rank, activation dtype, factor dtype, rows per member): lowrank's bf16 factors, lora's fp32 adapter factors; ranks
+# 1 and 3 take the per-row kernel, 4 and 8 the tiled one (20 rows per member: a full block of 16 and a masked one)
+CASES = [(1, torch.bfloat16, torch.bfloat16, 2), (3, torch.bfloat16, torch.bfloat16, 2),
+         (8, torch.float32, torch.float32, 2), (8, torch.bfloat16, torch.float32, 20), (4, torch.bfloat16, torch.bfloat16, 20)]
 
 CHILD = """
 import sys, torch
@@ -53,7 +54,7 @@ def test_the_triton_kernel_in_the_interpreter_equals_the_fp64_sum_and_the_torch_
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")], env=env,
                    check=True, timeout=300)
-    for (rank, dtype, _), (ys, xs, a_t, b_t), (got, again) in zip(CASES, cases, torch.load(tmp_path / "out.pt")):
+    for (rank, dtype, _, _), (ys, xs, a_t, b_t), (got, again) in zip(CASES, cases, torch.load(tmp_path / "out.pt")):
         assert got.dtype == dtype and torch.equal(got, again), rank  # no atomics: bit for bit
         want = ys.double() + torch.bmm(torch.bmm(xs.double(), b_t.double().transpose(1, 2)), a_t.double())
         # summed in fp32, rounded once: the interpreter rounds to bf16 by truncation (within 2^-7; a GPU rounds to
