@@ -99,3 +99,24 @@ def test_noise_spec_names_a_registered_mode():
     assert all(MODES[name].name == name for name in MODES)
     with pytest.raises(ValueError, match="unknown ES noise mode 'gaussian2'"):
         Perturber([], NoiseSpec(mode="gaussian2"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(7, 333), (8, 576), (1000,)])
+def test_member_weights_of_a_stack_equal_member_weight_one_by_one(dtype, shape):
+    """member_weights (lora's load, lowrank's full-noise vectors) writes a chunk's members in three launches; each must
+    equal member_weight (the in-place perturbation) bit for bit. A fused p + alpha * eps would not: at (7, 333) in bf16
+    with 30 members a CPU's threads split the stack mid-row and round the scalar tails differently."""
+    from esrl.es.noise import member_weight, member_weights
+
+    g = torch.Generator().manual_seed(0)
+    p = torch.randn(shape, generator=g).to(dtype)
+    eps = torch.randn(30, *shape, generator=g)
+    signs = [1.0 if k % 3 else -1.0 for k in range(30)]
+    one_by_one = torch.stack([member_weight(p, e, s, 0.0123) for e, s in zip(eps, signs)])
+    out = torch.empty(30, *shape, dtype=dtype)
+    assert member_weights(p, eps, signs, 0.0123, out=out) is out
+    assert torch.equal(out, one_by_one)
+    in_place = p.clone()
+    member_weight(in_place, eps[0], signs[0], 0.0123, in_place=True)
+    assert torch.equal(in_place, one_by_one[0]) and not torch.equal(in_place, p)

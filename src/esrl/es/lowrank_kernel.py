@@ -111,7 +111,7 @@ def lowrank_add_(ys: torch.Tensor, xs: torch.Tensor, a_t: torch.Tensor, b_t: tor
             ranks, block_rows = max(16, triton.next_power_of_2(rank)), 16
             grid = (m, triton.cdiv(n, block_rows), triton.cdiv(n_out, 512))
             _lowrank_tiles[grid](ys, xs, b_t, a_t, n, xs.shape[-1], n_out, n_out, xs.stride(0), RANK=rank,
-                                 RANKS=ranks, BLOCK_ROWS=block_rows, BLOCK_IN=128, BLOCK_OUT=512)
+                                 RANKS=ranks, BLOCK_ROWS=block_rows, BLOCK_IN=128, BLOCK_OUT=512, num_warps=8)
             return
         ranks = max(2, triton.next_power_of_2(rank))
         block_in, block_out = max(128, 4096 // ranks), max(256, 8192 // ranks)  # tiles of <= 8k fp32 values

@@ -90,11 +90,10 @@ _DRAWN: ContextVar[dict | None] = ContextVar("esrl_drawn_once", default=None)
 
 @contextmanager
 def drawn_once(max_bytes: int = 2**30) -> Iterator[None]:
-    """Inside the block a draw asked for with `reuse` is made once and served again (the same tensor, so the same
-    numbers): an ES iteration needs every member's low-rank factors (or lora adapter noise) for its chunk's
-    generate and again for the update, and antithetic pairs share theirs. On a GPU every draw is a seeded launch
-    (23,520 per lowrank iteration of a 1.5B model at N=30 without the block, 11,760 with it). Memory: the reused draws until the
-    block exits (N=30: lowrank rank 1 35 MB for SmolLM2-135M, 138 MB for a 1.5B model; lora rank 8 292 MB for
+    """Inside the block a stack's draws (factor_stacks, gaussian_stack) are made once and served again (the same
+    tensors, so the same numbers): an ES iteration needs every member's low-rank factors (or lora adapter noise) for
+    its chunk's generate and again for the update, and antithetic pairs share theirs. Memory: the kept draws until
+    the block exits (N=30: lowrank rank 1 35 MB for SmolLM2-135M, 138 MB for a 1.5B model; lora rank 8 292 MB for
     SmolLM2-135M); past `max_bytes` a draw is made again, as without the block. Callers must not modify them."""
     token = _DRAWN.set({"bytes": 0, "max_bytes": max_bytes, "draws": {}})
     try:
@@ -104,23 +103,14 @@ def drawn_once(max_bytes: int = 2**30) -> Iterator[None]:
 
 
 def gaussian(seed: int, tensor_index: int, shape: Sequence[int], device: torch.device | str = "cpu",
-             generator: torch.Generator | None = None, *, reuse: bool = False) -> torch.Tensor:
-    """Standard normal noise in fp32 for tensor `tensor_index` of the member with `seed` (`reuse`: served again
-    inside `drawn_once`; for small draws such as factors and adapters, not whole weights)."""
-    drawn = _DRAWN.get() if reuse else None
-    if drawn is not None:
-        key = (seed, tensor_index, tuple(shape), torch.device(device))
-        if key in drawn["draws"]:
-            return drawn["draws"][key]
+             generator: torch.Generator | None = None) -> torch.Tensor:
+    """Standard normal noise in fp32 for tensor `tensor_index` of the member with `seed` (a new draw each call; the
+    stacks below keep theirs inside `drawn_once`)."""
     if _batched(device, math.prod(shape)):  # GPU: key seed, stream tensor_index (below the factors' streams)
-        eps = philox.normal_slabs([seed], [(tensor_index, math.prod(shape))], device)[0].view(tuple(shape))
-    else:
-        generator = generator_on(device, generator)
-        generator.manual_seed((seed + tensor_index) & MASK63)
-        eps = torch.randn(tuple(shape), generator=generator, device=generator.device, dtype=torch.float32)
-    if drawn is not None:
-        _keep(drawn, key, eps, 4 * eps.numel())
-    return eps
+        return philox.normal_slabs([seed], [(tensor_index, math.prod(shape))], device)[0].view(tuple(shape))
+    generator = generator_on(device, generator)
+    generator.manual_seed((seed + tensor_index) & MASK63)
+    return torch.randn(tuple(shape), generator=generator, device=generator.device, dtype=torch.float32)
 
 
 PHILOX_MAX_NUMBERS = 2**18
@@ -160,7 +150,7 @@ tensor_noise = gaussian  # the name the rest of the code base and the tests know
 def gaussian_stack(seeds: Sequence[int], tensor_index: int, shape: Sequence[int],
                    device: torch.device | str = "cpu", generator: torch.Generator | None = None) -> torch.Tensor:
     """gaussian of every seed on one tensor, stacked (K, *shape), a new tensor: on a GPU the draws not kept by
-    `drawn_once` are one launch, each seed once; inside the block they are kept as gaussian(reuse=True) keeps them."""
+    `drawn_once` are one launch, each seed once; inside the block they are kept for the next ask."""
     device, numbers = torch.device(device), math.prod(shape)
 
     def draw(missing):
@@ -230,11 +220,27 @@ def tensor_scale(p: torch.Tensor, spec: NoiseSpec, sigma: float | None = None) -
 
 def member_weight(p: torch.Tensor, eps: torch.Tensor, sign: float, scale: float, *,
                   in_place: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
-    """theta + (sign * s) * eps in the weights' dtype: the one rounding every consumer of a member's weight shares
-    (`out`: written into that tensor, e.g. a member's slot of a persistent buffer)."""
+    """theta + sign * (s * eps) in the weights' dtype: eps rounded to that dtype, scaled (one rounding), added (one
+    rounding), as the paper's code adds `scale * noise`. Every consumer of a member's weight shares it (`out`: written
+    into that tensor, e.g. a member's slot of a persistent buffer), and `member_weights` gives the same numbers for a
+    stack of members: each step is one exactly rounded elementwise op. (A fused p + alpha * eps is not batch-invariant:
+    a CPU kernel rounds its vector body and its scalar tail differently, and the tail moves with the batch.)"""
+    step = eps.to(p.dtype)
+    step = step.mul_(sign * scale) if step is not eps else step * (sign * scale)
     if in_place:
-        return p.add_(eps.to(p.dtype), alpha=sign * scale)
-    return torch.add(p, eps.to(p.dtype), alpha=sign * scale, out=out)
+        return p.add_(step)
+    return torch.add(p, step, out=out)
+
+
+def member_weights(p: torch.Tensor, eps: torch.Tensor, signs: Sequence[float], scale: float, *,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """member_weight of K members at once: eps (K, *p.shape) -> (K, *p.shape), equal to K member_weight calls (the
+    sign, +-1, multiplies exactly), in three launches instead of 2K (`out`: written there, e.g. persistent slots)."""
+    step = eps.to(p.dtype)
+    step = step.mul_(scale) if step is not eps else step * scale
+    if any(s != 1.0 for s in signs):
+        step.mul_(on_device(signs, p.device).to(p.dtype).view(-1, *([1] * p.dim())))
+    return torch.add(p, step, out=out)
 
 
 def scaled_factor(a: torch.Tensor, signs: Sequence[float], scale: float, rank: int) -> torch.Tensor:
@@ -268,10 +274,16 @@ def folded_coefficients(members: Sequence[Member], weights: torch.Tensor) -> dic
 def gaussian_gradient(coef: dict[int, float], n: int, tensor_index: int, shape: Sequence[int],
                       device: torch.device | str, generator: torch.Generator | None = None, *,
                       reuse: bool = False) -> torch.Tensor:
-    """(1/N) sum_k c_k eps_k for full Gaussian noise, accumulated seed by seed in fp32 (`reuse`: see gaussian)."""
+    """(1/N) sum_k c_k eps_k for full Gaussian noise in fp32. Whole weights (full mode) are drawn and accumulated seed
+    by seed, one tensor in memory; small ones (`reuse`: lora's adapters, kept by drawn_once since the load) as one
+    (K) @ (K, numel) product over their stack: 2 launches per tensor instead of K (lora on a 1.5B model: 392 x 15)."""
+    if reuse and coef:
+        eps = gaussian_stack(list(coef), tensor_index, shape, device, generator)
+        c = on_device(list(coef.values()), device)
+        return (c @ eps.view(len(coef), -1)).view(tuple(shape)).div_(n)
     g = torch.zeros(tuple(shape), dtype=torch.float32, device=device)
     for seed, c in coef.items():
-        g.add_(gaussian(seed, tensor_index, shape, device, generator, reuse=reuse), alpha=c)
+        g.add_(gaussian(seed, tensor_index, shape, device, generator), alpha=c)
     return g.div_(n)
 
 

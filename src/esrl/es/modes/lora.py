@@ -36,7 +36,7 @@ import torch
 from esrl.errors import ConfigError, require
 from esrl.es.lowrank_kernel import lowrank_add_
 from esrl.es.modes.base import Adapter, NoiseMode
-from esrl.es.noise import gaussian_gradient, gaussian_stack, generator_on, member_weight, tensor_scale
+from esrl.es.noise import gaussian_gradient, gaussian_stack, generator_on, member_weights, tensor_scale
 from esrl.es.params import ParamSelection, linear_weight_only, param_owners
 from esrl.es.population_hooks import PopulationHooks
 from esrl.es.static_population import StaticPopulation
@@ -180,9 +180,8 @@ class LoraPopulation(PopulationHooks):
 
 def _member_weights(members, j: int, p: torch.Tensor, spec, generator) -> torch.Tensor:
     """(M, *p.shape): each member's perturbed copy of tensor p, exactly as the in-place perturbation writes it."""
-    scale = tensor_scale(p, spec)
     eps = gaussian_stack([m.seed for m in members], j, p.shape, p.device, generator)
-    return torch.stack([member_weight(p, e, m.sign, scale) for e, m in zip(eps, members)])
+    return member_weights(p, eps, [m.sign for m in members], tensor_scale(p, spec))
 
 
 @torch.no_grad()
@@ -206,8 +205,8 @@ def lora_adapters(model: torch.nn.Module, selection: ParamSelection | None = Non
 def write_member_adapters(model: torch.nn.Module, selection: ParamSelection, spec, members: Sequence,
                           slots: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Write each member's adapter into `slots` (module name -> lora_A slots (M, r, in), scaling * lora_B slots
-    (M, out, r); views of persistent buffers allowed): the selected factors perturbed by member_weight straight into
-    a member's slot, the others copied, then lora_B scaled. The one definition of a member's adapter tensors."""
+    (M, out, r); views of persistent buffers allowed): the selected factors perturbed by member_weights straight into
+    the members' slots, the others copied, then lora_B scaled. The one definition of a member's adapter tensors."""
     modules = peft_lora_modules(model)
     where = {}
     for name, (a, b, _) in modules.items():
@@ -221,8 +220,7 @@ def write_member_adapters(model: torch.nn.Module, selection: ParamSelection, spe
         scale = tensor_scale(p, spec)
         generator = generator_on(p.device, generator)
         eps = gaussian_stack([m.seed for m in members], j, p.shape, p.device, generator)
-        for slot, e, m in zip(slots[name][k], eps, members):
-            member_weight(p, e, m.sign, scale, out=slot)
+        member_weights(p, eps, [m.sign for m in members], scale, out=slots[name][k])
         written.add((name, k))
     for name, (a, b, scaling) in modules.items():
         for k, factor in enumerate((a, b)):

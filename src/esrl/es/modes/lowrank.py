@@ -28,8 +28,8 @@ import torch
 from esrl.errors import ConfigError, require
 from esrl.es.lowrank_kernel import lowrank_add_, row_major
 from esrl.es.modes.base import Adapter, NoiseMode
-from esrl.es.noise import (Member, NoiseSpec, factor_stacks, gaussian, generator_on, lowrank_direction,
-                           lowrank_gradient, member_weight, scaled_factor, tensor_scale)
+from esrl.es.noise import (Member, NoiseSpec, factor_stacks, gaussian, gaussian_stack, generator_on,
+                           lowrank_direction, lowrank_gradient, member_weights, scaled_factor, tensor_scale)
 from esrl.es.params import ParamSelection, linear_weight_only, param_owners, select_params
 from esrl.es.population_hooks import PopulationHooks
 from esrl.es.static_population import StaticPopulation
@@ -191,8 +191,8 @@ class PopulationPerturbation(PopulationHooks):
                     linear.setdefault(id(module), {}).update(A=a, B=b)
                 continue
             scale = tensor_scale(p, spec)  # 1-D tensor with full noise: each member's own weight
-            weights = torch.stack([member_weight(p, gaussian(m.seed, j, p.shape, p.device, generator), m.sign, scale)
-                                   for m in members])
+            eps = gaussian_stack([m.seed for m in members], j, p.shape, p.device, generator)
+            weights = member_weights(p, eps, [m.sign for m in members], scale)
             for module, attr in owners[id(p)]:
                 modules[id(module)] = module
                 if isinstance(module, torch.nn.Linear) and attr == "bias":
