@@ -104,3 +104,31 @@ def test_lora_buffers_refilled_in_place_hold_each_members_adapter(tiny_model):
             if id(a) not in index:
                 assert torch.equal(a_slots[i], a) and torch.equal(b_t[i], (b * scaling).T)
     assert 0 < len(selection) < 2 * len(modules)
+
+
+@pytest.mark.parametrize("antithetic", [False, True])
+def test_lowrank_buffers_hold_the_hooks_factors_bit_for_bit_in_bf16(tiny_model, antithetic):
+    """StaticLowRank writes the scaled factors straight into its bf16 buffers (first load and refill alike); they must
+    be the factors the eager hooks and the engines' adapters use (_member_factors: scaled in fp32, then rounded once),
+    transposed, bit for bit."""
+    from esrl.es import get_mode, population
+    from esrl.es.config import ESConfig
+    from esrl.es.modes.lowrank import _member_factors
+    from esrl.es.noise import drawn_once
+    from esrl.es.setup import build_selection
+    from esrl.models import load_causal_lm
+
+    cfg = ESConfig(mode="lowrank", sigma=0.05, rank=2, antithetic=antithetic)
+    policy = load_causal_lm(tiny_model).to(torch.bfloat16)
+    selection, spec = build_selection(policy, cfg)
+    static = get_mode("lowrank").static_population(policy, selection, spec)
+    members = population(4, 2, 8, antithetic=antithetic)
+    for chunk in (members[:4], members[4:]):
+        with drawn_once():
+            static.load(chunk)
+        for j, name, p in selection:
+            a, b = _member_factors(chunk, j, p, spec, None)
+            a_t, b_t = static._buffers[name]
+            assert a_t.dtype == torch.bfloat16 and a_t.is_contiguous() and b_t.is_contiguous()
+            assert torch.equal(a_t, a.transpose(1, 2)) and torch.equal(b_t, b.transpose(1, 2)), name
+    static.remove()

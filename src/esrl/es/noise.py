@@ -131,17 +131,32 @@ def _keep(drawn: dict, key: tuple, value, nbytes: int) -> None:
         drawn["bytes"] += nbytes
 
 
-def _draws_of(keys: list[tuple], draw: Callable[[list[tuple]], dict], nbytes: int) -> list:
-    """The draw of every key: kept ones from the drawn_once block, the others made by `draw(missing keys)` (each key
-    once, so antithetic pairs draw once) and kept."""
+def _stacks_of(keys: list[tuple], draw: Callable[[list[tuple]], tuple[torch.Tensor, ...]],
+               nbytes: int) -> tuple[torch.Tensor, ...]:
+    """The draws of `keys` stacked on dim 0, one tensor per part (A and B, or eps). Kept ones come from the drawn_once
+    block; the others from `draw(missing keys)`, slabs with one row per key (each key once: antithetic pairs draw
+    once), kept as (slabs, row). When the keys are one slab's rows in order (an update asking for its load's draws) or
+    each of them twice (a load's antithetic pairs), no per-key view is made: the slab itself, or one copy of it. The
+    result may be a kept slab: callers must not modify it."""
     drawn = _DRAWN.get()
     kept = drawn["draws"] if drawn is not None else {}
     missing = list(dict.fromkeys(k for k in keys if k not in kept))
-    fresh = draw(missing) if missing else {}
-    if drawn is not None:
-        for key, value in fresh.items():
-            _keep(drawn, key, value, nbytes)
-    return [kept[k] if k in kept else fresh[k] for k in keys]
+    fresh = {}
+    if missing:
+        slabs = draw(missing)
+        fresh = {k: (slabs, row) for row, k in enumerate(missing)}
+        if drawn is not None:
+            for k, where in fresh.items():
+                _keep(drawn, k, where, nbytes)
+    where = [fresh[k] if k in fresh else kept[k] for k in keys]
+    slabs = where[0][0]
+    if all(w[0] is slabs for w in where):
+        rows, size = [w[1] for w in where], slabs[0].shape[0]
+        if rows == list(range(size)):
+            return slabs
+        if rows == [i // 2 for i in range(2 * size)]:
+            return tuple(t.unsqueeze(1).expand(size, 2, *t.shape[1:]).reshape(2 * size, *t.shape[1:]) for t in slabs)
+    return tuple(torch.stack([w[0][part][w[1]] for w in where]) for part in range(len(slabs)))
 
 
 tensor_noise = gaussian  # the name the rest of the code base and the tests know
@@ -149,17 +164,17 @@ tensor_noise = gaussian  # the name the rest of the code base and the tests know
 
 def gaussian_stack(seeds: Sequence[int], tensor_index: int, shape: Sequence[int],
                    device: torch.device | str = "cpu", generator: torch.Generator | None = None) -> torch.Tensor:
-    """gaussian of every seed on one tensor, stacked (K, *shape), a new tensor: on a GPU the draws not kept by
-    `drawn_once` are one launch, each seed once; inside the block they are kept for the next ask."""
+    """gaussian of every seed on one tensor, stacked (K, *shape); do not modify it (it may be kept). On a GPU the draws
+    not kept by `drawn_once` are one launch, each seed once; inside the block they are kept for the next ask."""
     device, numbers = torch.device(device), math.prod(shape)
 
     def draw(missing):
         if _batched(device, numbers):
             slab = philox.normal_slabs([k[0] for k in missing], [(tensor_index, numbers)], device)[0]
-            return dict(zip(missing, slab.view(-1, *shape).unbind(0)))
-        return {k: gaussian(k[0], tensor_index, shape, device, generator) for k in missing}
+            return (slab.view(-1, *shape),)
+        return (torch.stack([gaussian(k[0], tensor_index, shape, device, generator) for k in missing]),)
 
-    return torch.stack(_draws_of([(seed, tensor_index, tuple(shape), device) for seed in seeds], draw, 4 * numbers))
+    return _stacks_of([(seed, tensor_index, tuple(shape), device) for seed in seeds], draw, 4 * numbers)[0]
 
 
 FACTOR_STREAMS = (2**30, 2**31)
@@ -179,9 +194,9 @@ def lowrank_factors(seed: int, tensor_index: int, shape: Sequence[int], rank: in
 def factor_stacks(seeds: Sequence[int], tensor_index: int, shape: Sequence[int], rank: int,
                   device: torch.device | str = "cpu", generator: torch.Generator | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """lowrank_factors of every seed, stacked: A (K, out, r) and B (K, in, r), new tensors (callers may scale them in
-    place). On a GPU the missing ones are drawn in one launch; inside `drawn_once` each seed's pair is kept for the
-    next ask (the update), and a seed listed twice (antithetic pairs) is drawn once."""
+    """lowrank_factors of every seed, stacked: A (K, out, r) and B (K, in, r); do not modify them (they may be kept).
+    On a GPU the missing ones are drawn in one launch; inside `drawn_once` each seed's pair is kept for the next ask
+    (the update), and a seed listed twice (antithetic pairs) is drawn once."""
     out_f, in_f = shape
     device = torch.device(device)
 
@@ -190,14 +205,14 @@ def factor_stacks(seeds: Sequence[int], tensor_index: int, shape: Sequence[int],
             streams = [s + tensor_index for s in FACTOR_STREAMS]
             a, b = philox.normal_slabs([k[0] for k in missing],
                                        [(streams[0], out_f * rank), (streams[1], in_f * rank)], device)
-            return dict(zip(missing, zip(a.view(-1, out_f, rank).unbind(0), b.view(-1, in_f, rank).unbind(0))))
-        return {k: (gaussian(factor_seed(k[0], tensor_index, "A"), 0, (out_f, rank), device, generator),
-                    gaussian(factor_seed(k[0], tensor_index, "B"), 0, (in_f, rank), device, generator))
-                for k in missing}
+            return a.view(-1, out_f, rank), b.view(-1, in_f, rank)
+        return (torch.stack([gaussian(factor_seed(k[0], tensor_index, "A"), 0, (out_f, rank), device, generator)
+                             for k in missing]),
+                torch.stack([gaussian(factor_seed(k[0], tensor_index, "B"), 0, (in_f, rank), device, generator)
+                             for k in missing]))
 
     keys = [(seed, tensor_index, tuple(shape), rank, device) for seed in seeds]
-    pairs = _draws_of(keys, draw, 4 * rank * (out_f + in_f))
-    return torch.stack([a for a, _ in pairs]), torch.stack([b for _, b in pairs])
+    return _stacks_of(keys, draw, 4 * rank * (out_f + in_f))
 
 
 def lowrank_direction(seed: int, tensor_index: int, shape: Sequence[int], rank: int,
@@ -243,9 +258,12 @@ def member_weights(p: torch.Tensor, eps: torch.Tensor, signs: Sequence[float], s
     return torch.add(p, step, out=out)
 
 
-def scaled_factor(a: torch.Tensor, signs: Sequence[float], scale: float, rank: int) -> torch.Tensor:
-    """A factors (M, out, r) with each member's sign and s / sqrt(r) folded in, in place, in fp32."""
-    return a.mul_(on_device(signs, a.device).view(-1, 1, 1) * (scale / math.sqrt(rank)))
+def scaled_factor(a: torch.Tensor, signs: Sequence[float], scale: float, rank: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """A factors (M, out, r) with each member's sign and s / sqrt(r) folded in, a new fp32 tensor (`out`: written
+    there instead, rounded to its dtype, e.g. a transposed view of a persistent buffer)."""
+    alphas = on_device([sign * (scale / math.sqrt(rank)) for sign in signs], a.device).view(-1, 1, 1)
+    return torch.mul(a, alphas, out=out)
 
 
 def on_device(values: Sequence[float], device: torch.device | str) -> torch.Tensor:

@@ -138,12 +138,22 @@ class StaticLowRank(StaticPopulation):
         return [(name, module) for _, name, p in self.selection for module, _ in owners[id(p)]]
 
     def _fill(self, members):
-        filled, generator = {}, None
+        m, rank = len(members), self.spec.rank
+        buffers = {name: (p.new_empty(m, rank, p.shape[0]), p.new_empty(m, rank, p.shape[1]))
+                   for _, name, p in self.selection}
+        self._refill(buffers, members)
+        return buffers
+
+    def _refill(self, buffers, members):
+        """The chunk's factors written straight into the buffers (scaled A^T and B^T in the weights' dtype, as
+        _member_factors rounds them): no stacked, cast or transposed copies in between."""
+        seeds, signs, generator = [m.seed for m in members], [m.sign for m in members], None
         for j, name, p in self.selection:
             generator = generator_on(p.device, generator)
-            a, b = _member_factors(members, j, p, self.spec, generator)
-            filled[name] = (a.transpose(1, 2), b.transpose(1, 2))
-        return filled
+            a, b = factor_stacks(seeds, j, p.shape, self.spec.rank, p.device, generator)
+            a_t, b_t = buffers[name]
+            scaled_factor(a, signs, tensor_scale(p, self.spec), self.spec.rank, out=a_t.transpose(1, 2))
+            b_t.transpose(1, 2).copy_(b)
 
     def _apply(self, buffers, x, out):
         a_t, b_t = buffers
@@ -156,8 +166,7 @@ def _member_factors(members: Sequence[Member], j: int, p: torch.Tensor, spec: No
                     generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """A (M, out, r) with sign_i s_j / sqrt(r) folded in, and B (M, in, r), both in the weights' dtype."""
     a, b = factor_stacks([m.seed for m in members], j, p.shape, spec.rank, p.device, generator)
-    a = scaled_factor(a, [m.sign for m in members], tensor_scale(p, spec), spec.rank)
-    return a.to(p.dtype), b.to(p.dtype)
+    return scaled_factor(a, [m.sign for m in members], tensor_scale(p, spec), spec.rank).to(p.dtype), b.to(p.dtype)
 
 
 class PopulationPerturbation(PopulationHooks):
