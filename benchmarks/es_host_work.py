@@ -9,6 +9,7 @@ counts that do not depend on the machine's speed, from one pass under a TorchDis
 launches on a GPU), seeded normal draws, and tensors made from host numbers (on a GPU: copies that sync).
 
     .venv/bin/python benchmarks/es_host_work.py [--modes lowrank,lora] [--members 30] [--rounds 5]
+    .venv/bin/python benchmarks/es_host_work.py --gpu-draws --dtype bfloat16 --rounds 1   # the GPU path's op counts
     python benchmarks/es_host_work.py --model random:qwen2.5-1.5b --device cuda      # the GPU run (issue 15)
 
 Prints one JSON line per mode and variant, then one with the medians' ratios.
@@ -93,6 +94,21 @@ def prepare(mode: str, args):
     return unit, len(sel)
 
 
+def count_gpu_draws_on_cpu() -> None:
+    """--gpu-draws: take esrl's GPU draw path on the CPU, with esrl.es.philox's one Triton launch per draw replaced by
+    one torch draw of the same layout (Triton's interpreter takes minutes per iteration). For the op counts only: the
+    numbers drawn and the seconds are not the GPU's."""
+    from esrl.es import philox
+
+    def normal_slabs(keys, parts, device):
+        rows, (_, n0) = len(keys), parts[0]
+        out = torch.empty(rows * sum(n for _, n in parts), dtype=torch.float32, device=device).normal_()
+        return [out[:rows * n0].view(rows, n0)] + ([out[rows * n0:].view(rows, parts[1][1])] if len(parts) == 2 else [])
+
+    philox.available = lambda device: True
+    philox.normal_slabs = normal_slabs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct", help="esrl model id or path, or random:qwen2.5-1.5b")
@@ -104,11 +120,14 @@ def main() -> None:
     ap.add_argument("--lora-rank", type=int, default=8, help="lora: adapter rank (lora_alpha = 2 x rank)")
     ap.add_argument("--modes", default="lowrank,lora")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--gpu-draws", action="store_true", help="count the GPU draw path's ops on a CPU (see above)")
     args = ap.parse_args()
+    if args.gpu_draws:
+        count_gpu_draws_on_cpu()
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     machine = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
     summary = {"benchmark": "es_host_work", "device": machine, "model": args.model, "members": args.members,
-               "antithetic": args.antithetic, "torch": torch.__version__}
+               "antithetic": args.antithetic, "gpu_draws": args.gpu_draws, "torch": torch.__version__}
     for mode in args.modes.split(","):
         unit, tensors = prepare(mode, args)
         counts = {}
