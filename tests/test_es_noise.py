@@ -105,8 +105,8 @@ def test_noise_spec_names_a_registered_mode():
 @pytest.mark.parametrize("shape", [(7, 333), (8, 576), (1000,)])
 def test_member_weights_of_a_stack_equal_member_weight_one_by_one(dtype, shape):
     """member_weights (lora's load, lowrank's full-noise vectors) writes a chunk's members in three launches; each must
-    equal member_weight (the in-place perturbation) bit for bit. A fused p + alpha * eps would not: at (7, 333) in bf16
-    with 30 members a CPU's threads split the stack mid-row and round the scalar tails differently."""
+    equal member_weight (the in-place perturbation) bit for bit, in fp32 and bf16, on shapes whose rows are no multiple
+    of a CPU's vector width (odd tails), with the stack large enough for two threads."""
     from esrl.es.noise import member_weight, member_weights
 
     g = torch.Generator().manual_seed(0)

@@ -108,10 +108,10 @@ def lowrank_add_(ys: torch.Tensor, xs: torch.Tensor, a_t: torch.Tensor, b_t: tor
             xs = xs.contiguous()
         rank = a_t.shape[1]
         if rank >= TILED_FROM_RANK:
-            ranks, block_rows = max(16, triton.next_power_of_2(rank)), 16
-            grid = (m, triton.cdiv(n, block_rows), triton.cdiv(n_out, 512))
+            ranks, block_rows, block_out = max(16, triton.next_power_of_2(rank)), 16, 512
+            grid = (m, triton.cdiv(n, block_rows), triton.cdiv(n_out, block_out))
             _lowrank_tiles[grid](ys, xs, b_t, a_t, n, xs.shape[-1], n_out, n_out, xs.stride(0), RANK=rank,
-                                 RANKS=ranks, BLOCK_ROWS=block_rows, BLOCK_IN=128, BLOCK_OUT=512, num_warps=8)
+                                 RANKS=ranks, BLOCK_ROWS=block_rows, BLOCK_IN=128, BLOCK_OUT=block_out, num_warps=8)
             return
         ranks = max(2, triton.next_power_of_2(rank))
         block_in, block_out = max(128, 4096 // ranks), max(256, 8192 // ranks)  # tiles of <= 8k fp32 values

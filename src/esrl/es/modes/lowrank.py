@@ -147,13 +147,10 @@ class StaticLowRank(StaticPopulation):
     def _refill(self, buffers, members):
         """The chunk's factors written straight into the buffers (scaled A^T and B^T in the weights' dtype, as
         _member_factors rounds them): no stacked, cast or transposed copies in between."""
-        seeds, signs, generator = [m.seed for m in members], [m.sign for m in members], None
+        generator = None
         for j, name, p in self.selection:
             generator = generator_on(p.device, generator)
-            a, b = factor_stacks(seeds, j, p.shape, self.spec.rank, p.device, generator)
-            a_t, b_t = buffers[name]
-            scaled_factor(a, signs, tensor_scale(p, self.spec), self.spec.rank, out=a_t.transpose(1, 2))
-            b_t.transpose(1, 2).copy_(b)
+            _member_factors(members, j, p, self.spec, generator, out=[t.transpose(1, 2) for t in buffers[name]])
 
     def _apply(self, buffers, x, out):
         a_t, b_t = buffers
@@ -163,10 +160,15 @@ class StaticLowRank(StaticPopulation):
 
 
 def _member_factors(members: Sequence[Member], j: int, p: torch.Tensor, spec: NoiseSpec,
-                    generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """A (M, out, r) with sign_i s_j / sqrt(r) folded in, and B (M, in, r), both in the weights' dtype."""
+                    generator: torch.Generator | None, out: Sequence[torch.Tensor] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (M, out, r) with sign_i s_j / sqrt(r) folded in (in fp32, then rounded once), and B (M, in, r), both in the
+    weights' dtype (`out`: written into these two tensors instead, e.g. transposed views of persistent buffers)."""
     a, b = factor_stacks([m.seed for m in members], j, p.shape, spec.rank, p.device, generator)
-    return scaled_factor(a, [m.sign for m in members], tensor_scale(p, spec), spec.rank).to(p.dtype), b.to(p.dtype)
+    if out is None:
+        return scaled_factor(a, [m.sign for m in members], tensor_scale(p, spec), spec.rank).to(p.dtype), b.to(p.dtype)
+    scaled_factor(a, [m.sign for m in members], tensor_scale(p, spec), spec.rank, out=out[0])
+    return out[0], out[1].copy_(b)
 
 
 class PopulationPerturbation(PopulationHooks):
