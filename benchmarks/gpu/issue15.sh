@@ -3,10 +3,11 @@
 # floor, lowrank, lora, a single member's generate and full mode), then configs/es_conciseness.yaml end to end.
 # Steps run in order of priority, each under its own time limit; everything lands in $OUT.
 #
-#   device run (carry .whl .gpu):  bash benchmarks/gpu/issue15.sh [steps]   steps: profile,tests,bench1,bench2,sbs,fused,host,prefill,determinism,e2e
+#   device run (carry .whl .gpu):  bash benchmarks/gpu/issue15.sh [steps]   steps: profile,tests,tiles,bench1,bench2,sbs,fused,host,prefill,determinism,e2e
 # E2E_ARGS adds esrl fit flags to e2e (e.g. "--model.rollout.compile fused"); DET_COMPILE=on limits determinism to the
 # recorded path (the default on CUDA); BENCH2_MODES overrides bench2's modes (e.g. single,full).
 # sbs: the same rows side by side in ONE process (es_throughput.py --rounds), so their ratios share the machine's state.
+# tiles: benchmarks/gpu/lowrank_tiles.py (the member-term kernel's block sizes, per 1.5B projection, rank 1 and 8).
 # host: benchmarks/es_host_work.py (a chunk's load and the update, with and without reusing the load's draws).
 # prefill: benchmarks/prefill_head.py (a frozen lm_head on the prompts' last positions, by slice or by index).
 # determinism: floor and lowrank, recorded and eager, with esrl's repeatable attention and with any kernel.
@@ -30,6 +31,9 @@ if has profile; then
 fi
 if has tests; then
   timeout 240 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | grep -v -i warn | tee "$OUT/gpu_tests.log" | tail -15
+fi
+if has tiles; then  # block sizes of the member-term kernel: each candidate timed per projection, the best beside the default
+  timeout 300 python3 benchmarks/gpu/lowrank_tiles.py 2>&1 | grep -v -i warn | tee "$OUT/lowrank_tiles.jsonl" | grep -E '"best"|Error'
 fi
 if has bench1; then
   (cd benchmarks && timeout 60 python3 es_throughput.py $BENCH --modes floor --compile off --repeats 2 2>&1 | grep '^{' | tee "$OUT/bench_eager.jsonl")

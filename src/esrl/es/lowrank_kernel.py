@@ -90,6 +90,25 @@ TILED_FROM_RANK = 4
 """Ranks from here take the tiled kernel (tl.dot pads the rank to 16, so ranks 1-3 would mostly multiply zeros)."""
 
 
+def launch_plan(rank: int, rows_per_member: int, n_out: int, tiles: dict | None = None):
+    """(kernel, grid as a function of the member count, compile-time constants, launch options) for one product.
+    The one definition of the block sizes: lowrank_add_ launches it, tests/test_kernel_build.py compiles it for
+    sm_80 and sm_90 (no spills), benchmarks/gpu/lowrank_tiles.py times overrides: `tiles` may set "tiled" (which
+    kernel) and its BLOCK_* sizes and num_warps."""
+    t = dict(tiles or {})
+    if t.pop("tiled", rank >= TILED_FROM_RANK):
+        t = {"BLOCK_ROWS": 16, "BLOCK_IN": 128, "BLOCK_OUT": 512, "num_warps": 8, **t}
+        grid = lambda m: (m, triton.cdiv(rows_per_member, t["BLOCK_ROWS"]), triton.cdiv(n_out, t["BLOCK_OUT"]))
+        kernel, ranks = _lowrank_tiles, max(16, triton.next_power_of_2(rank))
+    else:
+        ranks = max(2, triton.next_power_of_2(rank))  # tiles of <= 8k fp32 values:
+        t = {"BLOCK_IN": max(128, 4096 // ranks), "BLOCK_OUT": max(256, 8192 // ranks), "num_warps": 4, **t}
+        grid = lambda m: (m * rows_per_member, triton.cdiv(n_out, t["BLOCK_OUT"]))
+        kernel = _lowrank_rows
+    warps = t.pop("num_warps")
+    return kernel, grid, {"RANK": rank, "RANKS": ranks, **t}, {"num_warps": warps}
+
+
 def row_major(factors: torch.Tensor) -> torch.Tensor:
     """A copy of factors (M, r, n) with row-major strides, the layout lowrank_add_ reads. At r = 1 the transpose of
     an (M, n, 1) tensor already counts as contiguous (a size-1 dim's stride is ignored), so `.contiguous()` keeps
@@ -98,26 +117,17 @@ def row_major(factors: torch.Tensor) -> torch.Tensor:
     return factors.clone(memory_format=torch.contiguous_format)
 
 
-def lowrank_add_(ys: torch.Tensor, xs: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor) -> None:
+def lowrank_add_(ys: torch.Tensor, xs: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor,
+                 tiles: dict | None = None) -> None:
     """ys (M, n, out) += (xs (M, n, in) b_t^T) a_t in place, with a_t (M, r, out) and b_t (M, r, in) row-major
-    (`row_major`)."""
+    (`row_major`). `tiles`: block sizes for benchmarks (launch_plan)."""
     if triton is not None and (ys.is_cuda or INTERPRETED) and ys.is_contiguous():
         m, n, n_out = ys.shape
         xs = xs.reshape(m * n, xs.shape[-1])
         if xs.stride(-1) != 1:
             xs = xs.contiguous()
-        rank = a_t.shape[1]
-        if rank >= TILED_FROM_RANK:
-            ranks, block_rows, block_out = max(16, triton.next_power_of_2(rank)), 16, 512
-            grid = (m, triton.cdiv(n, block_rows), triton.cdiv(n_out, block_out))
-            _lowrank_tiles[grid](ys, xs, b_t, a_t, n, xs.shape[-1], n_out, n_out, xs.stride(0), RANK=rank,
-                                 RANKS=ranks, BLOCK_ROWS=block_rows, BLOCK_IN=128, BLOCK_OUT=block_out, num_warps=8)
-            return
-        ranks = max(2, triton.next_power_of_2(rank))
-        block_in, block_out = max(128, 4096 // ranks), max(256, 8192 // ranks)  # tiles of <= 8k fp32 values
-        grid = (m * n, triton.cdiv(n_out, block_out))
-        _lowrank_rows[grid](ys, xs, b_t, a_t, n, xs.shape[-1], n_out, n_out, xs.stride(0), RANK=rank, RANKS=ranks,
-                            BLOCK_IN=block_in, BLOCK_OUT=block_out)
+        kernel, grid, consts, options = launch_plan(a_t.shape[1], n, n_out, tiles)
+        kernel[grid(m)](ys, xs, b_t, a_t, n, xs.shape[-1], n_out, n_out, xs.stride(0), **consts, **options)
         return
     if a_t.dtype != ys.dtype:  # factors kept in fp32 (lora adapters): compute there, add once
         ys.add_(torch.bmm(torch.bmm(xs.to(a_t.dtype), b_t.transpose(1, 2)), a_t).to(ys.dtype))

@@ -1,0 +1,98 @@
+"""Block sizes for esrl's member-term kernel (`esrl.es.lowrank_kernel`), timed per projection of a 1.5B model.
+
+The kernel adds ys[i] += A_m (B_m^T x[i]) for every member's rows, once per perturbed linear per decode step: lowrank
+at rank 1 (bf16 factors, the per-row kernel), lora at rank 8 (fp32 adapters, the tiled kernel). Its block sizes were
+chosen, not tuned (RESULTS, session 14). This times each candidate `tiles` (launch_plan's overrides) on Qwen2.5-1.5B's
+seven projection shapes at decode (30 members x 8 rows) and prefill (x 64 tokens), checks each result within one
+bf16 rounding of the fp64 sum, and prints one JSON line per (rank, phase, config) with microseconds per call and the
+sum over a decode step (28 layers x the 7 shapes), then the best config per rank and phase beside the default.
+
+    PYTHONPATH=src python3 benchmarks/gpu/lowrank_tiles.py [--ranks 1,8] [--reps 200]
+
+GPU only (CUDA events over back-to-back launches, after a warm-up that compiles).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+LAYERS = 28
+TOLERANCE = 2 ** -8  # one bf16 rounding of the fp32 sum (round to nearest, as a GPU does)
+SHAPES = {"q": (1536, 1536), "k": (1536, 256), "v": (1536, 256), "o": (1536, 1536), "gate": (1536, 8960),
+          "up": (1536, 8960), "down": (8960, 1536)}  # name: (in, out), Qwen2.5-1.5B
+TILED = [dict(tiled=True, BLOCK_ROWS=r, BLOCK_IN=i, BLOCK_OUT=o, num_warps=w)
+         for r, i, o, w in itertools.product([8, 16], [64, 128], [128, 256, 512], [4, 8])]
+TILED += [dict(tiled=True, BLOCK_ROWS=32, BLOCK_IN=128, BLOCK_OUT=o, num_warps=w)
+          for o, w in itertools.product([256, 512], [4, 8])]  # for the prefill's many rows per member
+ROWS = [dict(tiled=False, BLOCK_IN=i, BLOCK_OUT=o, num_warps=4) for i, o in itertools.product([256, 1024], [1024, 4096])]
+
+
+def time_us(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return 1000 * start.elapsed_time(end) / reps
+
+
+def inputs(members: int, rows: int, n_in: int, n_out: int, rank: int, factor_dtype):
+    g = torch.Generator(device="cuda").manual_seed(n_in * n_out + rank)
+    randn = lambda *s: torch.randn(*s, device="cuda", generator=g)
+    return (randn(members, rows, n_out).bfloat16(), randn(members, rows, n_in).bfloat16(),
+            (randn(members, rank, n_out) * 0.1).to(factor_dtype), (randn(members, rank, n_in) * 0.1).to(factor_dtype))
+
+
+def main() -> None:
+    from esrl.es.lowrank_kernel import lowrank_add_
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", default="1,8")
+    ap.add_argument("--members", type=int, default=30)
+    ap.add_argument("--rows", type=int, default=8, help="rows per member at decode (prompts per member)")
+    ap.add_argument("--prompt", type=int, default=64, help="prefill: tokens per row")
+    ap.add_argument("--reps", type=int, default=200)
+    args = ap.parse_args()
+    print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__}), flush=True)
+    for rank in map(int, args.ranks.split(",")):
+        factor_dtype = torch.float32 if rank >= 4 else torch.bfloat16  # lora's fp32 adapters, lowrank's bf16
+        for phase, rows in (("decode", args.rows), ("prefill", args.rows * args.prompt)):
+            results = []
+            for tiles in [None] + TILED + ROWS:
+                total, per_shape, ok = 0.0, {}, True
+                for name, (n_in, n_out) in SHAPES.items():
+                    ys, xs, a_t, b_t = inputs(args.members, rows, n_in, n_out, rank, factor_dtype)
+                    want = ys.double() + torch.bmm(torch.bmm(xs.double(), b_t.double().transpose(1, 2)), a_t.double())
+                    got = ys.clone()
+                    try:
+                        lowrank_add_(got, xs, a_t, b_t, tiles)
+                    except Exception as e:  # a config the chip cannot run (shared memory, registers)
+                        ok = f"{type(e).__name__}: {str(e)[:80]}"
+                        break
+                    ok = ok and bool(((got.double() - want).abs() <= want.abs() * TOLERANCE + 1e-6).all())
+                    reps = args.reps if phase == "decode" else max(5, args.reps // 20)
+                    per_shape[name] = round(time_us(lambda: lowrank_add_(ys, xs, a_t, b_t, tiles), reps), 2)
+                    total += per_shape[name] * LAYERS
+                row = {"rank": rank, "phase": phase, "tiles": tiles or "default", "correct": ok,
+                       "us_per_call": per_shape, "ms_per_step": round(total / 1000, 3)}
+                print(json.dumps(row), flush=True)
+                if ok is True:
+                    results.append(row)
+            if not results:
+                print(json.dumps({"rank": rank, "phase": phase, "best": None, "why": "no config was correct"}))
+                continue
+            best = min(results, key=lambda r: r["ms_per_step"])
+            default = next((r["ms_per_step"] for r in results if r["tiles"] == "default"), None)
+            print(json.dumps({"best": best, "default_ms_per_step": default,
+                              "default_over_best": default and round(default / best["ms_per_step"], 3)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

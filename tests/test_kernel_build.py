@@ -1,0 +1,87 @@
+"""esrl's Triton kernels build for the GPUs users run, checked on a machine without one.
+
+Triton compiles ahead of time for a named target (`triton.compile(..., target=GPUTarget("cuda", 90, 32))`) with its
+bundled ptxas, no driver needed. So every kernel esrl launches, with the block sizes `launch_plan` picks and the
+dtypes of real runs, is compiled here for an A100 (sm_80) and an H100 (sm_90): a kernel that only a GPU would reject
+(a tl.dot shape or dtype it cannot lower, shared memory past the chip's limit) fails in CI instead of on a lent GPU.
+For the bf16 models a GPU runs by default, ptxas must also place it without spilling registers to local memory (a
+spill is a slow path in every decode step). The interpreter tests (test_lowrank_kernel.py, test_philox_noise.py)
+check the same kernels' math; their speed is measured by benchmarks/gpu/.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import pytest
+
+triton = pytest.importorskip("triton", reason="Triton not installed (the kernels then never run)")
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # bytes of shared memory one block may use (A100, H100)
+POINTER = {"bfloat16": "*bf16", "float32": "*fp32"}
+INTS = ("rows_per_member", "n_in", "n_out", "ys_stride", "xs_stride")
+
+
+def _build(fn, signature: dict, consts: dict, options: dict, arch: int):
+    """The compiled kernel and ptxas's report (-v) on its PTX for sm_{arch}: Triton's own ptxas and flags."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    sig = {**signature, **{k: "constexpr" for k in consts}}
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", arch, 32),
+                            options=options)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        report = subprocess.run([get_ptxas(arch).path, "-v", "--regAllocOptLevel=2",
+                                 f"--gpu-name={sm_arch_from_capability(arch)}", ptx, "-o", ptx + ".o"],
+                                capture_output=True, text=True, check=True).stderr
+    return kernel, report
+
+
+def _spilled_bytes(report: str) -> int:
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
+
+
+# (rank, activations, factors): lowrank's bf16 factors at ranks 1 and 2, lora's fp32 adapters at rank 8, on bf16 and
+# fp32 models; rows per member 8 (decode: 8 prompts) and n_out of a 1.5B model's MLP
+CASES = [(1, "bfloat16", "bfloat16"), (2, "bfloat16", "bfloat16"), (8, "bfloat16", "float32"),
+         (1, "float32", "float32"), (8, "float32", "float32")]
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("rank,dtype,factor_dtype", CASES)
+def test_the_lowrank_kernel_builds_for_the_gpus_users_run(rank, dtype, factor_dtype, arch):
+    from esrl.es.lowrank_kernel import launch_plan
+
+    fn, grid, consts, options = launch_plan(rank, rows_per_member=8, n_out=8960)
+    signature = {"ys_ptr": POINTER[dtype], "xs_ptr": POINTER[dtype], "bt_ptr": POINTER[factor_dtype],
+                 "at_ptr": POINTER[factor_dtype], **{k: "i32" for k in INTS}}
+    kernel, report = _build(fn, signature, consts, options, arch)
+    assert kernel.metadata.shared <= SHARED_LIMIT[arch], (kernel.metadata.shared, consts)
+    assert grid(30)[0] > 0
+    if dtype == "bfloat16":
+        assert _spilled_bytes(report) == 0, report
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_the_noise_kernel_builds_for_the_gpus_users_run(arch):
+    from esrl.es import philox
+
+    signature = {"out_ptr": "*fp32", "keys_ptr": "*i64", "n_keys": "i32", "stream0": "i64", "size0": "i64",
+                 "stream1": "i64", "size1": "i64"}
+    kernel, report = _build(philox._normal_draws, signature, {"CHUNK": philox._CHUNK, "BLOCK": 1024}, {}, arch)
+    assert kernel.metadata.shared <= SHARED_LIMIT[arch]
+    assert _spilled_bytes(report) == 0, report
+
+
+def test_the_spill_count_reads_ptxas_report():
+    """The parser the spill checks rely on, on ptxas's wording."""
+    report = "    40 bytes stack frame, 52 bytes spill stores, 48 bytes spill loads\n"
+    assert _spilled_bytes(report) == 100
+    assert _spilled_bytes("    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n") == 0
