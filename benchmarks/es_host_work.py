@@ -96,8 +96,9 @@ def prepare(mode: str, args):
 
 def count_gpu_draws_on_cpu() -> None:
     """--gpu-draws: take esrl's GPU draw path on the CPU, with esrl.es.philox's one Triton launch per draw replaced by
-    one torch draw of the same layout (Triton's interpreter takes minutes per iteration). For the op counts only: the
-    numbers drawn and the seconds are not the GPU's."""
+    one torch draw of the same layout (Triton's interpreter takes minutes per iteration), and the GPU's multi-tensor
+    finite check (esrl.finite). For the op counts only: the numbers drawn and the seconds are not the GPU's."""
+    from esrl import finite
     from esrl.es import philox
 
     def normal_slabs(keys, parts, device):
@@ -106,6 +107,7 @@ def count_gpu_draws_on_cpu() -> None:
         return [out[:rows * n0].view(rows, n0)] + ([out[rows * n0:].view(rows, parts[1][1])] if len(parts) == 2 else [])
 
     philox.available = lambda device: True
+    finite.batched_on = lambda device: True
     philox.normal_slabs = normal_slabs
 
 

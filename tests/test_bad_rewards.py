@@ -17,6 +17,7 @@ from esrl.es.noise import population
 from esrl.es.params import select_params
 from esrl.es.shaping import shape_fitness
 from esrl.es.update import es_step
+from esrl import finite
 from esrl.finite import all_finite
 from esrl.tasks.base import Task
 from esrl.tasks.reward_values import check_bad_rewards
@@ -101,18 +102,35 @@ def test_a_non_finite_es_update_is_refused_and_leaves_weights_unchanged():
                 torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64), iteration=7)
 
 
+@pytest.fixture(params=["extremes", "sums"])
+def finite_check(request, monkeypatch):
+    """all_finite as a CPU runs it (per-tensor min/max) and as a GPU runs it (multi-tensor fp64 sums of |x|)."""
+    monkeypatch.setattr(finite, "batched_on", lambda device: request.param == "sums")
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bad", [float("nan"), INF, -INF, None])
-@pytest.mark.parametrize("where", [(0, (0, 0)), (3, (10,))])  # first element of the first tensor, last of the last
-def test_all_finite_finds_one_bad_element_anywhere(dtype, bad, where):
-    """The min/max check (esrl.finite) against the element-wise definition, an empty tensor (ZeRO-3 partitions) and
-    integer tensors beside."""
-    tensors = [torch.randn(7, 5).to(dtype), torch.empty(0, dtype=dtype), torch.arange(3), torch.randn(11).to(dtype)]
+@pytest.mark.parametrize("where", [(0, (0, 0)), (4, (10,))])  # first element of the first tensor, last of the last
+def test_all_finite_finds_one_bad_element_anywhere(dtype, bad, where, finite_check):
+    """Both checks (esrl.finite) against the element-wise definition, an empty tensor (ZeRO-3 partitions), integer
+    tensors and a tensor of another dtype beside."""
+    tensors = [torch.randn(7, 5).to(dtype), torch.empty(0, dtype=dtype), torch.arange(3), torch.randn(4, 3),
+               torch.randn(11).to(dtype)]
     if bad is not None:
         tensor, index = where
         tensors[tensor][index] = bad
     assert all_finite(tensors) == all(bool(torch.isfinite(t).all()) for t in tensors) == (bad is None)
     assert all_finite([]) and all_finite([torch.empty(0)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_all_finite_holds_for_the_largest_finite_weights(dtype, finite_check):
+    """Sums of |x| must not overflow where every element is finite: 100k elements at the dtype's largest value (an
+    fp32 sum would be inf), beside a NaN in another tensor of the same group, found."""
+    huge = torch.full((100_000,), torch.finfo(dtype).max, dtype=dtype)
+    assert all_finite([huge, huge.clone()])
+    assert not all_finite([huge, torch.tensor([1.0, float("nan")], dtype=dtype)])
 
 
 # -- through the real CLI: a jsonl task whose reward function returns NaN / inf -------------------------------------

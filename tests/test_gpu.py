@@ -162,3 +162,17 @@ def test_lowrank_kernel_equals_the_fp32_product(rank, factor_dtype):
     lowrank_add_(again, xs, a_t, b_t)
     assert torch.equal(got, again)
     assert ((got.double() - want).abs() <= want.abs() * 2 ** -8 + 1e-6).all()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), None])
+def test_the_batched_finite_check_on_cuda_finds_one_bad_element(bad):
+    """esrl.finite on CUDA: fp64 sums of |x| by torch._foreach_norm over 400 bf16 tensors (several multi-tensor
+    launches) and fp32 ones; one bad element in the last tensor is found, the largest finite values are not one."""
+    from esrl.finite import all_finite, batched_on
+
+    assert batched_on(torch.device("cuda"))
+    tensors = [torch.randn(64, 96, device="cuda").bfloat16() for _ in range(400)] + [torch.randn(7, device="cuda")]
+    tensors[-2] = torch.full((70_000,), torch.finfo(torch.bfloat16).max, device="cuda", dtype=torch.bfloat16)
+    if bad is not None:
+        tensors[-2][-1] = bad
+    assert all_finite(tensors) == (bad is None) == all(bool(torch.isfinite(t).all()) for t in tensors)
