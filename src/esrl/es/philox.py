@@ -40,6 +40,10 @@ if triton is not None:
 
 
 _CHUNK = 4096  # numbers per program
+LAUNCH = {"CHUNK": _CHUNK, "BLOCK": 1024, "enable_fp_fusion": True}
+"""The draw kernel's constants and options. FP fusion (multiply-adds fused in tl.randn's Box-Muller) is pinned, not
+left to Triton's default, which Triton 3.10 turns off: the same seed must give the same noise after an upgrade, or a
+seed log would replay other updates."""
 
 
 def available(device: torch.device | str) -> bool:
@@ -57,8 +61,7 @@ def normal_slabs(keys: Sequence[int], parts: Sequence[tuple[int, int]], device: 
     out = torch.empty(rows * sum(n for _, n in parts), dtype=torch.float32, device=device)
     if rows and out.numel():
         grid = (triton.cdiv(max(n0, n1), _CHUNK), rows, len(parts))  # a whole-tensor draw spreads over the GPU
-        _normal_draws[grid](out, _keys_on(tuple(keys), torch.device(device)), rows, s0, n0, s1, n1, CHUNK=_CHUNK,
-                            BLOCK=1024)
+        _normal_draws[grid](out, _keys_on(tuple(keys), torch.device(device)), rows, s0, n0, s1, n1, **LAUNCH)
     return [out[:rows * n0].view(rows, n0)] + ([out[rows * n0:].view(rows, n1)] if len(parts) == 2 else [])
 
 
