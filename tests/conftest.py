@@ -94,6 +94,22 @@ def assert_batched_equals_member_by_member(engine, prompts, members, population_
     assert len({tuple(batched[i][-1].token_ids) for i in range(len(members))}) > 1
 
 
+def written_out_update(selection, spec, members, z: torch.Tensor, alpha: float) -> list[torch.Tensor]:
+    """The paper's update written out: theta + alpha (1/N) sum_i z_i (theta_i - theta) / sigma, each theta_i read off
+    a copy of the weights with member i's perturbation written in (Perturber), whatever the noise mode."""
+    from esrl.es import Perturber
+
+    theta = [p.detach().clone() for p in selection.params]
+    perturber = Perturber(selection, spec)
+    copies = []
+    for m in members:
+        with perturber.perturbed(m):
+            copies.append([p.detach().clone() for p in selection.params])
+    n = len(members)
+    return [t + alpha * sum(float(z[i]) * (copies[i][k] - t) / spec.sigma for i in range(n)) / n
+            for k, t in enumerate(theta)]
+
+
 def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 

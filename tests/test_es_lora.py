@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (FIXTURES, assert_batched_equals_member_by_member, assert_same_tensors, fit_final,
-                     load_safetensors, run_esrl, write_tiny_config)
+                     load_safetensors, run_esrl, write_tiny_config, written_out_update)
 
 from esrl.errors import ConfigError
 from esrl.es import Perturber, get_mode, member_chunks, population, set_es_grads, shape_fitness
@@ -159,13 +159,7 @@ def test_update_is_the_written_out_sum_over_perturbed_adapters(tiny_model):
     theta = [p.detach().clone() for p in sel.params]
     members = population(4, 1, 6, antithetic=True)
     z = shape_fitness(torch.tensor([0.3, -1.0, 2.0, 0.7, -0.2, 0.0]))
-    perturber = Perturber(sel, spec)
-    copies = []
-    for m in members:
-        with perturber.perturbed(m):
-            copies.append([p.detach().clone() for p in sel.params])
-    expected = [t + 0.01 * sum(float(z[i]) * (copies[i][k] - t) / 0.1 for i in range(6)) / 6
-                for k, t in enumerate(theta)]
+    expected = written_out_update(sel, spec, members, z, alpha=0.01)
     es_step(build_optimizer(sel.params, ESConfig(mode="lora", alpha=0.01)), sel, members, z, spec)
     for name, p, e in zip(sel.names, sel.params, expected):
         assert torch.allclose(p, e, atol=1e-6, rtol=0), (name, (p - e).abs().max())

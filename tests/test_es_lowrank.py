@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (FIXTURES, assert_batched_equals_member_by_member, assert_same_tensors, fit_final,
-                     load_safetensors, write_tiny_config)
+                     load_safetensors, write_tiny_config, written_out_update)
 
 from esrl.es import (NoiseSpec, Perturber, PopulationPerturbation, lowrank_factors, lowrank_selection, member_chunks,
                      population, select_params, set_es_grads, shape_fitness)
@@ -124,17 +124,10 @@ def test_update_equals_written_out_sum_over_perturbed_copies(tiny_lm, spec):
     sel = select_params(tiny_lm, exclude=["embed"])
     if spec.mode == "lowrank":
         sel = lowrank_selection(tiny_lm, sel, spec)
-    theta = [p.detach().clone() for p in sel.params]
-    alpha, n = 0.01, 6
-    members = population(4, 1, n, antithetic=True)
+    alpha = 0.01
+    members = population(4, 1, 6, antithetic=True)
     z = shape_fitness(torch.tensor([0.3, -1.0, 2.0, 0.7, -0.2, 0.0]))
-    perturber = Perturber(sel, spec)
-    copies = []
-    for m in members:
-        with perturber.perturbed(m):
-            copies.append([p.detach().clone() for p in sel.params])
-    expected = [t + alpha * sum(float(z[i]) * (copies[i][k] - t) / spec.sigma for i in range(n)) / n
-                for k, t in enumerate(theta)]
+    expected = written_out_update(sel, spec, members, z, alpha)
     set_es_grads(sel, members, z, spec)
     torch.optim.SGD(sel.params, lr=alpha).step()
     for name, p, e in zip(sel.names, sel.params, expected):
