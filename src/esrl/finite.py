@@ -22,7 +22,7 @@ def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
     On a GPU the check is launch-bound (a 1.5B model's ES step checks 196 gradients and 196 weights), so CUDA
     tensors take `finite_by_sums` (multi-tensor launches per dtype); CPU tensors `finite_by_extremes`, 4x faster
     there than fp64 sums (RESULTS, session 15)."""
-    floats = [t.detach() for t in tensors if t.is_floating_point() and t.numel()]
+    floats = [t for t in tensors if t.is_floating_point() and t.numel()]  # no_grad: no detach (an op per tensor)
     if not floats:
         return True
     per_tensor = finite_by_sums(floats) if batched_on(floats[0].device) else finite_by_extremes(floats)
