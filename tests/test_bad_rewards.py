@@ -12,12 +12,12 @@ import torch
 import yaml
 from conftest import FIXTURES, load_safetensors, run_esrl, write_tiny_config
 
+from esrl import finite
 from esrl.errors import NonFiniteUpdateError, RewardError
 from esrl.es.noise import population
 from esrl.es.params import select_params
 from esrl.es.shaping import shape_fitness
 from esrl.es.update import es_step
-from esrl import finite
 from esrl.finite import all_finite
 from esrl.tasks.base import Task
 from esrl.tasks.reward_values import check_bad_rewards

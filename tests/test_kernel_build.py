@@ -59,12 +59,11 @@ CASES = [(1, "bfloat16", "bfloat16"), (2, "bfloat16", "bfloat16"), (8, "bfloat16
 def test_the_lowrank_kernel_builds_for_the_gpus_users_run(rank, dtype, factor_dtype, arch):
     from esrl.es.lowrank_kernel import launch_plan
 
-    fn, grid, consts, options = launch_plan(rank, rows_per_member=8, n_out=8960)
+    fn, _, consts, options = launch_plan(rank, rows_per_member=8, n_out=8960)
     signature = {"ys_ptr": POINTER[dtype], "xs_ptr": POINTER[dtype], "bt_ptr": POINTER[factor_dtype],
                  "at_ptr": POINTER[factor_dtype], **{k: "i32" for k in INTS}}
     kernel, report = _build(fn, signature, consts, options, arch)
     assert kernel.metadata.shared <= SHARED_LIMIT[arch], (kernel.metadata.shared, consts)
-    assert grid(30)[0] > 0
     if dtype == "bfloat16":
         assert _spilled_bytes(report) == 0, report
 
