@@ -97,18 +97,21 @@ def prepare(mode: str, args):
 def count_gpu_draws_on_cpu() -> None:
     """--gpu-draws: take esrl's GPU draw path on the CPU, with esrl.es.philox's one Triton launch per draw replaced by
     one torch draw of the same layout (Triton's interpreter takes minutes per iteration), and the GPU's multi-tensor
-    finite check (esrl.finite). For the op counts only: the numbers drawn and the seconds are not the GPU's."""
+    finite check (esrl.finite) and groups (esrl.es.noise.GROUP_NUMBERS). For the op counts only: the numbers drawn
+    and the seconds are not the GPU's."""
     from esrl import finite
-    from esrl.es import philox
+    from esrl.es import noise, philox
 
-    def normal_slabs(keys, parts, device):
-        rows, (_, n0) = len(keys), parts[0]
-        out = torch.empty(rows * sum(n for _, n in parts), dtype=torch.float32, device=device).normal_()
-        return [out[:rows * n0].view(rows, n0)] + ([out[rows * n0:].view(rows, parts[1][1])] if len(parts) == 2 else [])
+    def normal_slabs(keys, parts, device, offsets=(0,)):
+        rows, groups, (_, n0) = len(keys), len(offsets), parts[0]
+        out = torch.empty(rows * groups * sum(n for _, n in parts), dtype=torch.float32, device=device).normal_()
+        first = rows * groups * n0
+        return [out[:first].view(rows, groups * n0)] + ([out[first:].view(rows, -1)] if len(parts) == 2 else [])
 
     philox.available = lambda device: True
     finite.batched_on = lambda device: True
     philox.normal_slabs = normal_slabs
+    noise.GROUP_NUMBERS["cpu"] = noise.GROUP_NUMBERS["cuda"]  # the GPU's parts of same-shape groups
 
 
 def main() -> None:

@@ -134,6 +134,29 @@ def test_update_equals_written_out_sum_over_perturbed_copies(tiny_lm, spec):
         assert torch.allclose(p, e, atol=1e-6, rtol=0), (name, (p - e).abs().max())
 
 
+@pytest.mark.parametrize("part_tensors", [1, 3, None], ids=["one-a-part", "parts-of-3", "whole-groups"])
+def test_grouped_gradients_are_each_tensors_own(tiny_lm, part_tensors, monkeypatch):
+    """The update batches same-shape matrices (one product per group of at most GROUP_NUMBERS numbers): every tensor
+    must still get the gradient of its own factors and its own rms scale, wherever the groups split a shape's tensors
+    (4 tensors in groups of 3: one full and one short). Reference: noise.lowrank_gradient tensor by tensor."""
+    from esrl.es import noise
+
+    spec = NoiseSpec(mode="lowrank", sigma=0.02, rank=2, sigma_scaling="rms")
+    sel = lowrank_selection(tiny_lm, select_params(tiny_lm), spec)
+    biggest = max(p.numel() for p in sel.params)
+    monkeypatch.setitem(noise.GROUP_NUMBERS, "cpu", biggest * part_tensors if part_tensors else 2**30)
+    groups, shapes = noise.noise_groups(sel), {tuple(p.shape) for p in sel.params}
+    assert len(groups) < len(sel) and (len(groups) > len(shapes) if part_tensors else len(groups) == len(shapes))
+    members = population(5, 2, 6, antithetic=True)
+    z = torch.tensor([0.3, -1.0, 2.0, 0.7, -0.2, 0.0])
+    coef = noise.folded_coefficients(members, z)
+    got = {id(p): g for p, g in es_gradient(sel, members, z, spec)}
+    assert len(got) == len(sel)
+    for j, name, p in sel:
+        expected = noise.lowrank_gradient(coef, 6, j, p.shape, 2, p.device) * (noise.tensor_scale(p, spec) / 0.02)
+        assert torch.allclose(got[id(p)], expected, rtol=1e-5, atol=1e-9), name
+
+
 def test_lowrank_gradient_is_low_rank_and_zero_for_equal_fitness(tiny_lm):
     spec = NoiseSpec(mode="lowrank", rank=2)
     sel = lowrank_selection(tiny_lm, select_params(tiny_lm), spec)

@@ -164,6 +164,22 @@ def test_lowrank_kernel_equals_the_fp32_product(rank, factor_dtype):
     assert ((got.double() - want).abs() <= want.abs() * 2 ** -8 + 1e-6).all()
 
 
+def test_a_group_of_matrices_drawn_in_one_launch_equals_each_drawn_alone():
+    """A load and an update draw a group of same-shape matrices' factors (lora: adapter noise) in one launch
+    (esrl.es.noise.factor_groups, gaussian_groups); each matrix must get the numbers it gets drawn alone (the
+    member-by-member reference and the seed-log replay draw one at a time). Shapes as Qwen2.5-1.5B's k_proj."""
+    from esrl.es.noise import factor_groups, factor_stacks, gaussian_groups, gaussian_stack
+
+    seeds, indices = [5, 2**62 + 1, 5, 9], (3, 10, 17)
+    a, b = factor_groups(seeds, indices, (256, 1536), 2, "cuda")
+    eps = gaussian_groups(seeds, indices, (8, 1536), "cuda")
+    for g, j in enumerate(indices):
+        alone_a, alone_b = factor_stacks(seeds, j, (256, 1536), 2, "cuda")
+        assert torch.equal(a[:, g], alone_a) and torch.equal(b[:, g], alone_b), j
+        assert torch.equal(eps[:, g], gaussian_stack(seeds, j, (8, 1536), "cuda")), j
+    assert not torch.equal(a[:, 0], a[:, 1])
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), None])
 def test_the_batched_finite_check_on_cuda_finds_one_bad_element(bad):
     """esrl.finite on CUDA: fp64 sums of |x| by torch._foreach_norm over 400 bf16 tensors (several multi-tensor

@@ -75,8 +75,8 @@ def test_the_noise_kernel_builds_for_the_gpus_users_run_with_fp_fusion_pinned(ar
     from esrl.es import philox
 
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
-    signature = {"out_ptr": "*fp32", "keys_ptr": "*i64", "n_keys": "i32", "stream0": "i64", "size0": "i64",
-                 "stream1": "i64", "size1": "i64"}
+    signature = {"out_ptr": "*fp32", "keys_ptr": "*i64", "offsets_ptr": "*i64", "n_keys": "i32", "n_groups": "i32",
+                 "stream0": "i64", "size0": "i64", "stream1": "i64", "size1": "i64"}
     consts = {k: v for k, v in philox.LAUNCH.items() if k.isupper()}
     options = {k: v for k, v in philox.LAUNCH.items() if not k.isupper()}
     kernel, report = _build(philox._normal_draws, signature, consts, options, arch)

@@ -20,7 +20,8 @@ pytest.importorskip("triton", reason="Triton not installed (CUDA runs then keep 
 CHILD = """
 import sys, torch
 from esrl.es import philox
-from esrl.es.noise import drawn_once, factor_stacks, gaussian, gaussian_stack, lowrank_factors
+from esrl.es.noise import (drawn_once, factor_groups, factor_stacks, gaussian, gaussian_groups, gaussian_stack,
+                           lowrank_factors)
 assert philox.available("cpu")
 seeds = [11, 2**62 + 5, 11, 7]  # a 63-bit seed, and one listed twice (an antithetic pair)
 shape, rank = (70, 1030), 5  # B: 5,150 numbers, two of the kernel's chunks, neither a multiple of its block
@@ -29,7 +30,10 @@ singles = [lowrank_factors(s, 4, shape, rank) for s in seeds]
 with drawn_once():
     kept = factor_stacks(seeds[:2], 4, shape, rank)
     served = factor_stacks(seeds[::-1], 4, shape, rank)
-out = {"a": a, "b": b, "singles": singles, "kept": kept, "served": served,
+group = factor_groups(seeds, (9, 4, 2), shape, rank)  # three same-shape tensors in one launch
+group_singles = [factor_stacks(seeds, j, shape, rank) for j in (9, 4, 2)]
+out = {"a": a, "b": b, "singles": singles, "group": group, "group_singles": group_singles,
+       "g_group": gaussian_groups([11, 12], (4, 5), (300, 70)), "kept": kept, "served": served,
        "g": gaussian(11, 4, (300, 70)), "g_again": gaussian(11, 4, (300, 70)), "g_next": gaussian(11, 5, (300, 70)),
        "g_key": gaussian(12, 4, (300, 70)), "big": gaussian(3, 0, (200_000,)),
        "g_stack": gaussian_stack([11, 12, 11], 4, (300, 70))}
@@ -56,6 +60,19 @@ def test_draws_made_together_equal_the_same_draws_made_one_by_one(drawn):
     assert torch.equal(served_a, a.flip(0)) and torch.equal(served_b, b.flip(0))
     assert torch.equal(drawn["kept"][0], a[:2])
     assert torch.equal(drawn["g_stack"], torch.stack([drawn["g"], drawn["g_key"], drawn["g"]]))  # lora's adapter noise
+
+
+def test_a_group_of_tensors_drawn_in_one_launch_equals_each_tensor_drawn_alone(drawn):
+    """factor_groups (a load's and an update's draw for same-shape matrices) must give every tensor the factors it
+    gets alone (the member-by-member reference and the seed-log replay draw one tensor at a time)."""
+    a, b = drawn["group"]
+    assert a.shape == (4, 3, 70, 5) and b.shape == (4, 3, 1030, 5)
+    for g, (sa, sb) in enumerate(drawn["group_singles"]):
+        assert torch.equal(a[:, g], sa) and torch.equal(b[:, g], sb), g
+    assert torch.equal(a[:, 1], drawn["a"])  # tensor 4, as factor_stacks drew it above
+    g_group = drawn["g_group"]  # lora's adapter noise: seeds 11, 12 on tensors 4, 5
+    assert torch.equal(g_group[0, 0], drawn["g"]) and torch.equal(g_group[0, 1], drawn["g_next"])
+    assert torch.equal(g_group[1, 0], drawn["g_key"])
 
 
 def test_the_streams_are_standard_normal_and_independent(drawn):

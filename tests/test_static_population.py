@@ -106,11 +106,12 @@ def test_lora_buffers_refilled_in_place_hold_each_members_adapter(tiny_model):
     assert 0 < len(selection) < 2 * len(modules)
 
 
-@pytest.mark.parametrize("antithetic", [False, True])
-def test_lowrank_buffers_hold_the_hooks_factors_bit_for_bit_in_bf16(tiny_model, antithetic):
-    """StaticLowRank writes the scaled factors straight into its bf16 buffers (first load and refill alike); they must
-    be the factors the eager hooks and the engines' adapters use (_member_factors: scaled in fp32, then rounded once),
-    transposed, bit for bit."""
+@pytest.mark.parametrize("antithetic,scaling", [(False, "global"), (True, "global"), (False, "rms")])
+def test_lowrank_buffers_hold_the_hooks_factors_bit_for_bit_in_bf16(tiny_model, antithetic, scaling):
+    """StaticLowRank writes the scaled factors straight into its bf16 buffers, one group of same-shape matrices at a
+    time (first load and refill alike); they must be the factors the eager hooks and the engines' adapters use
+    (_member_factors: per matrix, scaled in fp32, then rounded once), transposed, bit for bit; with rms scaling each
+    matrix of a group has its own scale."""
     from esrl.es import get_mode, population
     from esrl.es.config import ESConfig
     from esrl.es.modes.lowrank import _member_factors
@@ -118,7 +119,7 @@ def test_lowrank_buffers_hold_the_hooks_factors_bit_for_bit_in_bf16(tiny_model, 
     from esrl.es.setup import build_selection
     from esrl.models import load_causal_lm
 
-    cfg = ESConfig(mode="lowrank", sigma=0.05, rank=2, antithetic=antithetic)
+    cfg = ESConfig(mode="lowrank", sigma=0.05, rank=2, antithetic=antithetic, sigma_scaling=scaling)
     policy = load_causal_lm(tiny_model).to(torch.bfloat16)
     selection, spec = build_selection(policy, cfg)
     static = get_mode("lowrank").static_population(policy, selection, spec)

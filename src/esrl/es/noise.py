@@ -14,7 +14,8 @@ The update ascends g_j = (1/N) sum_i z_i sign_i (s_j / sigma) eps_ij, so `global
 g = (1/N) sum z_i eps_i; members sharing a seed (antithetic pairs) fold into one draw.
 
 Draws: torch's generator on a CPU; on a GPU, draws of up to PHILOX_MAX_NUMBERS numbers are Triton's counter-based
-Philox (esrl.es.philox), so the stacks (`factor_stacks`, `gaussian_stack`) draw a chunk's members in one launch.
+Philox (esrl.es.philox), so the groups (`factor_groups`, `gaussian_groups`: a chunk's members on a group of same-shape
+tensors, `noise_groups`) are one launch each, and the update reduces a group with one batched product.
 """
 
 from __future__ import annotations
@@ -76,6 +77,23 @@ def factor_seed(seed: int, tensor_index: int, part: str) -> int:
     return derive_seed("esrl-lowrank", seed, tensor_index, part)
 
 
+GROUP_NUMBERS = {"cuda": 2**27, "cpu": 2**13}
+"""A group of same-shape tensors (noise_groups) holds at most this many of the tensors' numbers, per device type. On
+a GPU the load and the update are launch-bound: big groups (2^27 fp32: a 512 MB gradient stack in the update; a
+1.5B model's 196 projections make 13 groups). On a CPU they are memory-bound: small groups, whose members' draws
+stay in cache (2^15 numbers x 30 members = 4 MB), so a 135M model's matrices go one at a time (with whole groups
+SmolLM2-135M's lowrank es_step took 0.417 s against 0.310 s, its lora load 1.40 s against 0.60 s; RESULTS,
+session 17)."""
+
+
+def noise_groups(selection) -> list:
+    """The ParamSelection's same-shape groups whose noise is drawn, written and reduced together (GROUP_NUMBERS):
+    the load and the update use the same ones, so the update finds the load's draws (drawn_once)."""
+    if not selection.params:
+        return []
+    return selection.same_shape_groups(GROUP_NUMBERS.get(selection.params[0].device.type, 2**15))
+
+
 # -- draws -----------------------------------------------------------------------------------------------------
 def generator_on(device: torch.device | str, generator: torch.Generator | None = None) -> torch.Generator:
     """`generator` when it lives on `device`, else a new one there (callers keep it to reuse across tensors)."""
@@ -90,7 +108,7 @@ _DRAWN: ContextVar[dict | None] = ContextVar("esrl_drawn_once", default=None)
 
 @contextmanager
 def drawn_once(max_bytes: int = 2**30) -> Iterator[None]:
-    """Inside the block a stack's draws (factor_stacks, gaussian_stack) are made once and served again (the same
+    """Inside the block a group's draws (factor_groups, gaussian_groups) are made once and served again (the same
     tensors, so the same numbers): an ES iteration needs every member's low-rank factors (or lora adapter noise) for
     its chunk's generate and again for the update, and antithetic pairs share theirs. Memory: the kept draws until
     the block exits (N=30: lowrank rank 1 35 MB for SmolLM2-135M, 138 MB for a 1.5B model; lora rank 8 292 MB for
@@ -164,17 +182,27 @@ tensor_noise = gaussian  # the name the rest of the code base and the tests know
 
 def gaussian_stack(seeds: Sequence[int], tensor_index: int, shape: Sequence[int],
                    device: torch.device | str = "cpu", generator: torch.Generator | None = None) -> torch.Tensor:
-    """gaussian of every seed on one tensor, stacked (K, *shape); do not modify it (it may be kept). On a GPU the draws
-    not kept by `drawn_once` are one launch, each seed once; inside the block they are kept for the next ask."""
-    device, numbers = torch.device(device), math.prod(shape)
+    """gaussian of every seed on one tensor, stacked (K, *shape); do not modify it (it may be kept)."""
+    return gaussian_groups(seeds, (tensor_index,), shape, device, generator)[:, 0]
+
+
+def gaussian_groups(seeds: Sequence[int], tensor_indices: Sequence[int], shape: Sequence[int],
+                    device: torch.device | str = "cpu", generator: torch.Generator | None = None) -> torch.Tensor:
+    """gaussian of every seed on a group of same-shape tensors, (K, G, *shape), [k, g] that of seeds[k] on
+    tensor_indices[g]; do not modify it (it may be kept). On a GPU the draws not kept by `drawn_once` are one launch
+    for the group, each seed once; inside the block they are kept for the next ask."""
+    device, indices, numbers = torch.device(device), tuple(tensor_indices), math.prod(shape)
 
     def draw(missing):
         if _batched(device, numbers):
-            slab = philox.normal_slabs([k[0] for k in missing], [(tensor_index, numbers)], device)[0]
-            return (slab.view(-1, *shape),)
-        return (torch.stack([gaussian(k[0], tensor_index, shape, device, generator) for k in missing]),)
+            slab = philox.normal_slabs([k[0] for k in missing], [(0, numbers)], device, indices)[0]
+            return (slab.view(-1, len(indices), *shape),)
+        gen = generator_on(device, generator)
+        eps = torch.stack([gaussian(k[0], j, shape, device, gen) for k in missing for j in indices])
+        return (eps.view(len(missing), len(indices), *shape),)
 
-    return _stacks_of([(seed, tensor_index, tuple(shape), device) for seed in seeds], draw, 4 * numbers)[0]
+    keys = [(seed, indices, tuple(shape), device) for seed in seeds]
+    return _stacks_of(keys, draw, 4 * len(indices) * numbers)[0]
 
 
 FACTOR_STREAMS = (2**30, 2**31)
@@ -194,25 +222,33 @@ def lowrank_factors(seed: int, tensor_index: int, shape: Sequence[int], rank: in
 def factor_stacks(seeds: Sequence[int], tensor_index: int, shape: Sequence[int], rank: int,
                   device: torch.device | str = "cpu", generator: torch.Generator | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """lowrank_factors of every seed, stacked: A (K, out, r) and B (K, in, r); do not modify them (they may be kept).
-    On a GPU the missing ones are drawn in one launch; inside `drawn_once` each seed's pair is kept for the next ask
-    (the update), and a seed listed twice (antithetic pairs) is drawn once."""
+    """lowrank_factors of every seed, stacked: A (K, out, r) and B (K, in, r); do not modify them (they may be kept)."""
+    a, b = factor_groups(seeds, (tensor_index,), shape, rank, device, generator)
+    return a[:, 0], b[:, 0]
+
+
+def factor_groups(seeds: Sequence[int], tensor_indices: Sequence[int], shape: Sequence[int], rank: int,
+                  device: torch.device | str = "cpu", generator: torch.Generator | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """factor_stacks of a group of same-shape tensors: A (K, G, out, r) and B (K, G, in, r), [k, g] the factors of
+    seeds[k] on tensor_indices[g]; do not modify them (they may be kept). On a GPU the missing ones are drawn in one
+    launch for the whole group; inside `drawn_once` each seed's are kept for the next ask (the update), and a seed
+    listed twice (antithetic pairs) is drawn once."""
     out_f, in_f = shape
-    device = torch.device(device)
+    device, indices = torch.device(device), tuple(tensor_indices)
 
     def draw(missing):
         if _batched(device, rank * max(out_f, in_f)):
-            streams = [s + tensor_index for s in FACTOR_STREAMS]
-            a, b = philox.normal_slabs([k[0] for k in missing],
-                                       [(streams[0], out_f * rank), (streams[1], in_f * rank)], device)
-            return a.view(-1, out_f, rank), b.view(-1, in_f, rank)
-        return (torch.stack([gaussian(factor_seed(k[0], tensor_index, "A"), 0, (out_f, rank), device, generator)
-                             for k in missing]),
-                torch.stack([gaussian(factor_seed(k[0], tensor_index, "B"), 0, (in_f, rank), device, generator)
-                             for k in missing]))
+            a, b = philox.normal_slabs([k[0] for k in missing], [(FACTOR_STREAMS[0], out_f * rank),
+                                                                 (FACTOR_STREAMS[1], in_f * rank)], device, indices)
+            return a.view(-1, len(indices), out_f, rank), b.view(-1, len(indices), in_f, rank)
+        gen = generator_on(device, generator)
+        return tuple(torch.stack([gaussian(factor_seed(k[0], j, part), 0, (n, rank), device, gen)
+                                  for k in missing for j in indices]).view(len(missing), len(indices), n, rank)
+                     for part, n in (("A", out_f), ("B", in_f)))
 
-    keys = [(seed, tensor_index, tuple(shape), rank, device) for seed in seeds]
-    return _stacks_of(keys, draw, 4 * rank * (out_f + in_f))
+    keys = [(seed, indices, tuple(shape), rank, device) for seed in seeds]
+    return _stacks_of(keys, draw, 4 * len(indices) * rank * (out_f + in_f))
 
 
 def lowrank_direction(seed: int, tensor_index: int, shape: Sequence[int], rank: int,
@@ -262,12 +298,16 @@ def member_weights(p: torch.Tensor, eps: torch.Tensor, signs: Sequence[float], s
     return torch.add(p, step, out=out)
 
 
-def scaled_factor(a: torch.Tensor, signs: Sequence[float], scale: float, rank: int,
+def scaled_factor(a: torch.Tensor, signs: Sequence[float], scales: float | Sequence[float], rank: int,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """A factors (M, out, r) with each member's sign and s / sqrt(r) folded in, a new fp32 tensor (`out`: written
-    there instead, rounded to its dtype, e.g. a transposed view of a persistent buffer)."""
-    alphas = on_device([sign * (scale / math.sqrt(rank)) for sign in signs], a.device).view(-1, 1, 1)
-    return torch.mul(a, alphas, out=out)
+    there instead, rounded to its dtype, e.g. a transposed view of a persistent buffer). A group's factors
+    (M, G, out, r) take one scale per tensor."""
+    per_tensor = [scales] if isinstance(scales, (int, float)) else list(scales)
+    if len(set(per_tensor)) == 1:  # one scale (global sigma): the same M numbers for every group, copied once
+        per_tensor = per_tensor[:1]
+    alphas = on_device([sign * (scale / math.sqrt(rank)) for sign in signs for scale in per_tensor], a.device)
+    return torch.mul(a, alphas.view(len(signs), *([len(per_tensor)] if a.dim() == 4 else []), 1, 1), out=out)
 
 
 def on_device(values: Sequence[float], device: torch.device | str) -> torch.Tensor:
@@ -297,25 +337,41 @@ def gaussian_gradient(coef: dict[int, float], n: int, tensor_index: int, shape: 
                       device: torch.device | str, generator: torch.Generator | None = None, *,
                       reuse: bool = False) -> torch.Tensor:
     """(1/N) sum_k c_k eps_k for full Gaussian noise in fp32. Whole weights (full mode) are drawn and accumulated seed
-    by seed, one tensor in memory; small ones (`reuse`: lora's adapters, kept by drawn_once since the load) as one
-    (K) @ (K, numel) product over their stack: 2 launches per tensor instead of K (lora on a 1.5B model: 392 x 15)."""
-    if reuse and coef:
-        eps = gaussian_stack(list(coef), tensor_index, shape, device, generator)
-        c = on_device(list(coef.values()), device)
-        return (c @ eps.view(len(coef), -1)).view(tuple(shape)).div_(n)
+    by seed, one tensor in memory; small ones (`reuse`: lora's adapters) as gaussian_gradients does."""
+    if reuse:
+        return gaussian_gradients(coef, n, (tensor_index,), shape, device, generator)[0]
     g = torch.zeros(tuple(shape), dtype=torch.float32, device=device)
     for seed, c in coef.items():
         g.add_(gaussian(seed, tensor_index, shape, device, generator), alpha=c)
     return g.div_(n)
 
 
+def gaussian_gradients(coef: dict[int, float], n: int, tensor_indices: Sequence[int], shape: Sequence[int],
+                       device: torch.device | str, generator: torch.Generator | None = None) -> torch.Tensor:
+    """gaussian_gradient of a group of small same-shape tensors (lora's adapters, whose draws drawn_once kept since
+    the load), (G, *shape): one (K) @ (K, G numel) product, not K launches per tensor (lora on a 1.5B model: 392 x
+    15 before)."""
+    if not coef:
+        return torch.zeros(len(tensor_indices), *shape, dtype=torch.float32, device=device)
+    eps = gaussian_groups(list(coef), tensor_indices, shape, device, generator)
+    c = on_device(list(coef.values()), device)
+    return (c @ eps.reshape(len(coef), -1)).view(len(tensor_indices), *shape).div_(n)
+
+
 def lowrank_gradient(coef: dict[int, float], n: int, tensor_index: int, shape: Sequence[int], rank: int,
                      device: torch.device | str, generator: torch.Generator | None = None) -> torch.Tensor:
-    """(1/N) sum_k c_k A_k B_k^T / sqrt(r) as one (out x Kr) @ (Kr x in) matmul in fp32 (no per-member matrix)."""
+    """(1/N) sum_k c_k A_k B_k^T / sqrt(r) in fp32, as one (out x Kr) @ (Kr x in) matmul (no per-member matrix)."""
+    return lowrank_gradients(coef, n, (tensor_index,), shape, rank, device, generator)[0]
+
+
+def lowrank_gradients(coef: dict[int, float], n: int, tensor_indices: Sequence[int], shape: Sequence[int],
+                      rank: int, device: torch.device | str, generator: torch.Generator | None = None) -> torch.Tensor:
+    """lowrank_gradient of a group of same-shape tensors, (G, out, in) fp32: one batched product (on a GPU a handful
+    of launches for the group, not per tensor). The factors are drawn as the load drew them (the same group)."""
     if not coef:
-        return torch.zeros(tuple(shape), dtype=torch.float32, device=device)
-    fa, fb = factor_stacks(list(coef), tensor_index, shape, rank, device, generator)
-    c = on_device(list(coef.values()), device)
-    a = (fa * c.view(-1, 1, 1)).transpose(0, 1).reshape(shape[0], -1)  # (out, K r): diag(c) A
-    b = fb.transpose(0, 1).reshape(shape[1], -1)  # (in, K r)
-    return (a @ b.T).div_(math.sqrt(rank) * n)
+        return torch.zeros(len(tensor_indices), *shape, dtype=torch.float32, device=device)
+    fa, fb = factor_groups(list(coef), tensor_indices, shape, rank, device, generator)  # (K, G, out|in, r)
+    c = on_device(list(coef.values()), device).view(-1, 1, 1, 1)
+    a = (fa * c).permute(1, 2, 0, 3).flatten(2)  # (G, out, K r): diag(c) A
+    b = fb.permute(1, 2, 0, 3).flatten(2)  # (G, in, K r)
+    return torch.bmm(a, b.transpose(1, 2)).div_(math.sqrt(rank) * n)

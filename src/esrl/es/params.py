@@ -30,6 +30,21 @@ class ParamSelection:
     def numel(self) -> int:
         return sum(p.numel() for p in self.params)
 
+    def same_shape_groups(self, max_numbers: int | None = None) -> list["ParamSelection"]:
+        """The selection split into groups of tensors with one shape, dtype and device, in order of first
+        appearance, each cut into consecutive parts of at most `max_numbers` numbers (at least one tensor): a 1.5B
+        model's 196 projections are 7 shapes, so work done per group (a draw, a scaled write, a batched product) is
+        a few launches on a GPU instead of 196."""
+        groups: dict[tuple, list[ParamSelection]] = {}
+        for j, name, p in self:
+            parts = groups.setdefault((tuple(p.shape), p.dtype, p.device), [ParamSelection([], [], [])])
+            if parts[-1].params and max_numbers is not None and (len(parts[-1]) + 1) * p.numel() > max_numbers:
+                parts.append(ParamSelection([], [], []))
+            parts[-1].indices.append(j)
+            parts[-1].names.append(name)
+            parts[-1].params.append(p)
+        return [part for parts in groups.values() for part in parts]
+
 
 def select_params(model: torch.nn.Module, include: list[str] | None = None, exclude: list[str] | None = None,
                   layers: str | None = None) -> ParamSelection:

@@ -18,7 +18,6 @@ from typing import Iterator, Sequence
 
 import torch
 
-from esrl.es.lowrank_kernel import row_major
 from esrl.es.noise import Member, NoiseSpec
 from esrl.es.params import ParamSelection
 
@@ -38,7 +37,8 @@ class StaticPopulation:
         raise NotImplementedError
 
     def _fill(self, members: Sequence[Member]) -> dict[str, tuple[torch.Tensor, ...]]:
-        """The chunk's tensors per buffer key, each with the members on dim 0."""
+        """New buffers holding the chunk's tensors, per buffer key, each with the members on dim 0 and row-major
+        strides (the layout esrl.es.lowrank_kernel reads; they become the persistent buffers as they are)."""
         raise NotImplementedError
 
     def _refill(self, buffers: dict[str, tuple[torch.Tensor, ...]], members: Sequence[Member]) -> None:
@@ -58,8 +58,7 @@ class StaticPopulation:
         """Refill the buffers of this chunk size in place with its members (a new size allocates its own)."""
         self.members = len(members)
         if self.members not in self._sizes:
-            filled = self._fill(members)
-            buffers = {key: tuple(row_major(t) for t in tensors) for key, tensors in filled.items()}
+            buffers = self._fill(members)
             for tensors in buffers.values():
                 for t in tensors:
                     torch._dynamo.mark_static_address(t)  # CUDA graphs read it in place, no copy per replay

@@ -12,7 +12,8 @@ from typing import Iterator, Sequence
 import torch
 
 from esrl.es.modes import get_mode
-from esrl.es.noise import Member, NoiseSpec, folded_coefficients, generator_on, member_weight, tensor_scale
+from esrl.es.noise import (Member, NoiseSpec, folded_coefficients, generator_on, member_weight, on_device,
+                           tensor_scale)
 from esrl.es.params import ParamSelection
 from esrl.finite import check_gradient, check_weights
 
@@ -72,34 +73,40 @@ class Perturber:
 
 
 @torch.no_grad()
-def es_gradient(selection: ParamSelection, members: Sequence[Member], weights: torch.Tensor,
-                spec: NoiseSpec | None = None) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
-    """Yield (param, g_j) with g_j = (1/N) sum_i w_i sign_i (s_j / sigma) eps_ij in fp32, one tensor at a time.
+def es_gradient_groups(selection: ParamSelection, members: Sequence[Member], weights: torch.Tensor,
+                       spec: NoiseSpec | None = None) -> Iterator[tuple[list[torch.Tensor], torch.Tensor]]:
+    """Yield (tensors, their g_j stacked on dim 0), g_j = (1/N) sum_i w_i sign_i (s_j / sigma) eps_ij in fp32: one
+    tensor, or a group the mode batches (lowrank: same-shape matrices), at a time.
 
     Members that share a seed (antithetic pairs) are folded into one noise draw; eps is the spec's mode's.
     """
     spec = spec or NoiseSpec()
-    mode = get_mode(spec.mode)
-    n = len(members)
     coef = folded_coefficients(members, weights)
-    generator: torch.Generator | None = None
-    for j, _, p in selection:
-        generator = generator_on(p.device, generator)
-        g = mode.gradient(coef, n, j, p, spec, generator)
+    for params, g in get_mode(spec.mode).gradients(coef, len(members), selection, spec):
         if spec.sigma_scaling != "global":
-            g.mul_(tensor_scale(p, spec) / spec.sigma)
-        yield p, g
+            ratios = on_device([tensor_scale(p, spec) / spec.sigma for p in params], g.device)
+            g.mul_(ratios.view(-1, *([1] * (g.dim() - 1))))
+        yield params, g
+
+
+def es_gradient(selection: ParamSelection, members: Sequence[Member], weights: torch.Tensor,
+                spec: NoiseSpec | None = None) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """Yield (param, g_j) one tensor at a time (es_gradient_groups, unstacked)."""
+    for params, g in es_gradient_groups(selection, members, weights, spec):
+        yield from zip(params, g.unbind(0))
 
 
 @torch.no_grad()
 def set_es_grads(selection: ParamSelection, members: Sequence[Member], weights: torch.Tensor,
                  spec: NoiseSpec | None = None) -> None:
-    """Store -g in .grad so that any torch optimizer, minimizing, ascends the fitness.
+    """Store -g in .grad so that any torch optimizer, minimizing, ascends the fitness (one negation and one cast per
+    group; each .grad a view of its group's).
 
     SGD(lr=alpha) then gives theta += alpha * g, the paper's update.
     """
-    for p, g in es_gradient(selection, members, weights, spec):
-        p.grad = g.neg_().to(p.dtype)
+    for params, g in es_gradient_groups(selection, members, weights, spec):
+        for p, grad in zip(params, g.neg_().to(params[0].dtype).unbind(0)):
+            p.grad = grad
 
 
 def es_step(optimizer: torch.optim.Optimizer, selection: ParamSelection, members: Sequence[Member],

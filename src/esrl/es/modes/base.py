@@ -10,11 +10,11 @@ they apply to which tensor. Plain torch: no Lightning, no engine.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar, Sequence
+from typing import ClassVar, Iterator, Sequence
 
 import torch
 
-from esrl.es.noise import Member, NoiseSpec, gaussian, gaussian_gradient
+from esrl.es.noise import Member, NoiseSpec, gaussian, gaussian_gradient, generator_on
 from esrl.es.params import ParamSelection
 from esrl.es.population_hooks import PopulationHooks
 from esrl.models.lora import Adapter  # one member as a LoRA adapter: {HF module: (lora_A, scaling * lora_B)}
@@ -52,6 +52,15 @@ class NoiseMode:
                  generator: torch.Generator | None = None) -> torch.Tensor:
         """(1/N) sum_k c_k eps_k on tensor p in fp32 (c: esrl.es.noise.folded_coefficients), before s_j / sigma."""
         return gaussian_gradient(coef, n, tensor_index, p.shape, p.device, generator)
+
+    def gradients(self, coef: dict[int, float], n: int, selection: ParamSelection, spec: NoiseSpec
+                  ) -> Iterator[tuple[list[torch.Tensor], torch.Tensor]]:
+        """`gradient` of every selected tensor, as (tensors, their gradients stacked on dim 0) pairs: one tensor
+        each here; a mode may batch same-shape tensors (lowrank: one product per group)."""
+        generator = None
+        for j, _, p in selection:
+            generator = generator_on(p.device, generator)
+            yield [p], self.gradient(coef, n, j, p, spec, generator).unsqueeze(0)
 
     def population(self, model: torch.nn.Module, selection: ParamSelection, spec: NoiseSpec,
                    members: Sequence[Member], row_member: torch.Tensor) -> PopulationHooks:
