@@ -80,10 +80,10 @@ def factor_seed(seed: int, tensor_index: int, part: str) -> int:
 GROUP_NUMBERS = {"cuda": 2**27, "cpu": 2**13}
 """A group of same-shape tensors (noise_groups) holds at most this many of the tensors' numbers, per device type. On
 a GPU the load and the update are launch-bound: big groups (2^27 fp32: a 512 MB gradient stack in the update; a
-1.5B model's 196 projections make 13 groups). On a CPU they are memory-bound: small groups, whose members' draws
-stay in cache (2^15 numbers x 30 members = 4 MB), so a 135M model's matrices go one at a time (with whole groups
-SmolLM2-135M's lowrank es_step took 0.417 s against 0.310 s, its lora load 1.40 s against 0.60 s; RESULTS,
-session 17)."""
+1.5B model's 196 projections make 13 groups). On a CPU they are memory-bound: small groups, so a 135M model's
+matrices go one at a time (SmolLM2-135M, N=30, side by side, medians of 3: with whole groups lowrank's update took
+0.376 s against 0.230 s, lora's load 0.804 s against 0.708 s; RESULTS, session 17), while the tests' tiny models
+still run in groups."""
 
 
 def noise_groups(selection) -> list:
