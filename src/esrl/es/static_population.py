@@ -42,11 +42,9 @@ class StaticPopulation:
         raise NotImplementedError
 
     def _refill(self, buffers: dict[str, tuple[torch.Tensor, ...]], members: Sequence[Member]) -> None:
-        """Write the chunk's tensors into this size's existing buffers; a mode may write them without `_fill`'s
-        intermediate copies (lora: 2.4M numbers per member on the CPU benchmark)."""
-        for key, tensors in self._fill(members).items():
-            for buffer, t in zip(buffers[key], tensors):
-                buffer.copy_(t)
+        """Write the chunk's tensors into this size's existing buffers (`_fill`'s), in place: their addresses are
+        what a recorded decode step reads."""
+        raise NotImplementedError
 
     def _apply(self, buffers: tuple[torch.Tensor, ...], x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The hooked module's output for member-major rows (x viewed as (M, rows/M * seq, in))."""
