@@ -33,7 +33,7 @@ if has tests; then
   timeout 240 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | grep -v -i warn | tee "$OUT/gpu_tests.log" | tail -15
 fi
 if has tiles; then  # block sizes of the member-term kernel: each candidate timed per projection, the best beside the default
-  timeout 300 python3 benchmarks/gpu/lowrank_tiles.py 2>&1 | grep -v -i warn | tee "$OUT/lowrank_tiles.jsonl" | grep -E '"best"|Error'
+  timeout 300 python3 benchmarks/gpu/lowrank_tiles.py ${TILES_ARGS:-} 2>&1 | grep -v -i warn | tee "$OUT/lowrank_tiles.jsonl" | grep -E '"best"|Error'
 fi
 if has bench1; then
   (cd benchmarks && timeout 60 python3 es_throughput.py $BENCH --modes floor --compile off --repeats 2 2>&1 | grep '^{' | tee "$OUT/bench_eager.jsonl")

@@ -6,11 +6,10 @@ and a 1.5B model has 196 of them: +37% on the decode step (H100, benchmarks/gpu/
 the member's factors and ys once, accumulates in fp32 and rounds once; it has no atomics, so it repeats bit for bit.
 ES lowrank (A, B: the member's noise factors) and lora (A: lora_A, B^T: scaling * lora_B of the member's adapter) use it.
 
-Two kernels, one sum. Rank 1-3 (lowrank's): one program per row and block of outputs, x.B by elementwise products.
-Rank >= 4 (lora's 8): one program per member, block of its rows and block of outputs, both products by tl.dot: the
-per-row kernel re-read the member's factors for every row (rank 8, fp32 factors: a 1.5B model's down_proj read B,
-287 kB, 480 times per decode step; 2.33 ms of lora's decode step on an H100, RESULTS session 13), the tile reads them
-once per block of rows.
+One program per row and block of outputs: x.B by elementwise products, then the rank's outputs. At lora's rank 8 a
+tiled kernel (one program per member and block of rows, both products by tl.dot, each factor read once per block of
+rows) was 4x slower per decode step on an H100 in every variant tried (fp32, 3xTF32, broadcast FMA; RESULTS, session
+18): the factors re-read per row come from L2, and the tiles' fp32 products are slow in Triton.
 """
 
 from __future__ import annotations
@@ -54,59 +53,19 @@ if triton is not None:
         tl.store(ys_row + cols, acc.to(ys_ptr.dtype.element_ty), mask=col_ok)
 
 
-    @triton.jit
-    def _lowrank_tiles(ys_ptr, xs_ptr, bt_ptr, at_ptr, rows_per_member, n_in, n_out, ys_stride, xs_stride,
-                       RANK: tl.constexpr, RANKS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_IN: tl.constexpr,
-                       BLOCK_OUT: tl.constexpr):
-        """One program: one member, BLOCK_ROWS of its rows, BLOCK_OUT outputs. C = X B (BLOCK_ROWS x RANKS) over `in`,
-        then Y[:, cols] += C A[:, cols]; fp32 products (input_precision ieee: no TF32), one rounding per output.
-        RANKS: RANK rounded up to a power of two >= 16, tl.dot's smallest side."""
-        member = tl.program_id(0).to(tl.int64)
-        local = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        row_ok = local < rows_per_member
-        rows = member * rows_per_member + local
-        rank_ok = tl.arange(0, RANKS) < RANK
-        factor = member * RANK + tl.arange(0, RANKS)
-        c = tl.zeros([BLOCK_ROWS, RANKS], dtype=tl.float32)
-        for start in range(0, n_in, BLOCK_IN):
-            k = start + tl.arange(0, BLOCK_IN)
-            k_ok = k < n_in
-            x = tl.load(xs_ptr + rows[:, None] * xs_stride + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                        other=0.0).to(tl.float32)
-            b = tl.load(bt_ptr + factor[None, :] * n_in + k[:, None], mask=k_ok[:, None] & rank_ok[None, :],
-                        other=0.0).to(tl.float32)
-            c = tl.dot(x, b, c, input_precision="ieee")
-        cols = tl.program_id(2) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
-        col_ok = cols < n_out
-        a = tl.load(at_ptr + factor[:, None] * n_out + cols[None, :], mask=rank_ok[:, None] & col_ok[None, :],
-                    other=0.0).to(tl.float32)
-        where = ys_ptr + rows[:, None] * ys_stride + cols[None, :]
-        ok = row_ok[:, None] & col_ok[None, :]
-        acc = tl.dot(c, a, tl.load(where, mask=ok, other=0.0).to(tl.float32), input_precision="ieee")
-        tl.store(where, acc.to(ys_ptr.dtype.element_ty), mask=ok)
-
-
-TILED_FROM_RANK = 4
-"""Ranks from here take the tiled kernel (tl.dot pads the rank to 16, so ranks 1-3 would mostly multiply zeros)."""
-
-
 def launch_plan(rank: int, rows_per_member: int, n_out: int, tiles: dict | None = None):
     """(kernel, grid as a function of the member count, compile-time constants, launch options) for one product.
     The one definition of the block sizes: lowrank_add_ launches it, tests/test_kernel_build.py compiles it for
-    sm_80 and sm_90 (no spills), benchmarks/gpu/lowrank_tiles.py times overrides: `tiles` may set "tiled" (which
-    kernel) and its BLOCK_* sizes and num_warps."""
-    t = dict(tiles or {})
-    if t.pop("tiled", rank >= TILED_FROM_RANK):
-        t = {"BLOCK_ROWS": 16, "BLOCK_IN": 128, "BLOCK_OUT": 512, "num_warps": 8, **t}
-        grid = lambda m: (m, triton.cdiv(rows_per_member, t["BLOCK_ROWS"]), triton.cdiv(n_out, t["BLOCK_OUT"]))
-        kernel, ranks = _lowrank_tiles, max(16, triton.next_power_of_2(rank))
-    else:
-        ranks = max(2, triton.next_power_of_2(rank))  # tiles of <= 8k fp32 values:
-        t = {"BLOCK_IN": max(128, 4096 // ranks), "BLOCK_OUT": max(256, 8192 // ranks), "num_warps": 4, **t}
-        grid = lambda m: (m * rows_per_member, triton.cdiv(n_out, t["BLOCK_OUT"]))
-        kernel = _lowrank_rows
+    sm_80 and sm_90 (no spills), benchmarks/gpu/lowrank_tiles.py times overrides: `tiles` may set BLOCK_IN, BLOCK_OUT
+    and num_warps."""
+    # the fastest without spills on an H100 at decode, rank 1 (lowrank) and 8 (lora); RESULTS, session 18. The A tile
+    # is RANKS x BLOCK_OUT fp32 values in registers: at most 32k (256 threads, 128 each) at higher ranks
+    ranks = max(2, triton.next_power_of_2(rank))
+    t = {"BLOCK_IN": min(2048, 8192 // ranks), "BLOCK_OUT": min(4096, 32768 // ranks),
+         "num_warps": 8 if ranks >= 8 else 4, **(tiles or {})}
     warps = t.pop("num_warps")
-    return kernel, grid, {"RANK": rank, "RANKS": ranks, **t}, {"num_warps": warps}
+    grid = lambda m: (m * rows_per_member, triton.cdiv(n_out, t["BLOCK_OUT"]))
+    return _lowrank_rows, grid, {"RANK": rank, "RANKS": ranks, **t}, {"num_warps": warps}
 
 
 def row_major(factors: torch.Tensor) -> torch.Tensor:
