@@ -8,8 +8,9 @@ ES lowrank (A, B: the member's noise factors) and lora (A: lora_A, B^T: scaling 
 
 One program per row and block of outputs: x.B by elementwise products, then the rank's outputs. At lora's rank 8 a
 tiled kernel (one program per member and block of rows, both products by tl.dot, each factor read once per block of
-rows) was 4x slower per decode step on an H100 in every variant tried (fp32, 3xTF32, broadcast FMA; RESULTS, session
-18): the factors re-read per row come from L2, and the tiles' fp32 products are slow in Triton.
+rows) made lora's decode step 4x slower on an H100 in every variant tried (fp32, 3xTF32, broadcast FMA), and a kernel
+taking 4 or 8 rows of a member per program (its factors read once for them) 2x slower (RESULTS, session 18): the
+factors re-read per row come from L2, and these kernels' fewer programs or fp32 tile products cost more.
 """
 
 from __future__ import annotations
