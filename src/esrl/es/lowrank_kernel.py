@@ -8,9 +8,10 @@ ES lowrank (A, B: the member's noise factors) and lora (A: lora_A, B^T: scaling 
 
 One program per row and block of outputs: x.B by elementwise products, then the rank's outputs. At lora's rank 8 a
 tiled kernel (one program per member and block of rows, both products by tl.dot, each factor read once per block of
-rows) made lora's decode step 4x slower on an H100 in every variant tried (fp32, 3xTF32, broadcast FMA), and a kernel
-taking 4 or 8 rows of a member per program (its factors read once for them) 2x slower (RESULTS, session 18): the
-factors re-read per row come from L2, and these kernels' fewer programs or fp32 tile products cost more.
+rows) was 4-12x slower per gate_proj call on an H100 in every variant tried (fp32, 3xTF32, broadcast FMA; with fp32,
+lora's decode step took 4.3x as long), and a kernel taking 4 or 8 rows of a member per program (its factors read
+once for them) 2x slower over a decode step's 196 calls (RESULTS, session 18): the factors re-read per row come
+from L2, and these kernels' fewer programs or fp32 tile products cost more.
 """
 
 from __future__ import annotations

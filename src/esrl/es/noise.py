@@ -91,7 +91,7 @@ def noise_groups(selection) -> list:
     the load and the update use the same ones, so the update finds the load's draws (drawn_once)."""
     if not selection.params:
         return []
-    return selection.same_shape_groups(GROUP_NUMBERS.get(selection.params[0].device.type, 2**15))
+    return selection.same_shape_groups(GROUP_NUMBERS.get(selection.params[0].device.type, GROUP_NUMBERS["cpu"]))
 
 
 # -- draws -----------------------------------------------------------------------------------------------------
