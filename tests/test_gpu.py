@@ -143,7 +143,8 @@ def test_compiled_fused_and_eager_engines_give_the_same_greedy_tokens_in_fp32(tm
             assert [c.token_ids for c in compiled.generate(PROMPTS, max_new_tokens=40, min_new_tokens=40)] == want
 
 
-@pytest.mark.parametrize("rank,factor_dtype", [(1, torch.bfloat16), (2, torch.bfloat16), (8, torch.float32)])
+@pytest.mark.parametrize("rank,factor_dtype", [(1, torch.bfloat16), (2, torch.bfloat16), (8, torch.bfloat16),
+                                               (8, torch.float32)])
 def test_lowrank_kernel_equals_the_fp32_product(rank, factor_dtype):
     """esrl.es.lowrank_kernel's Triton kernel: ys += (xs B) A^T per member, accumulated in fp32 and rounded once,
     so within one bf16 rounding of the fp64 answer; it repeats bit for bit. Shapes as Qwen2.5-1.5B's gate_proj."""

@@ -48,10 +48,11 @@ def _spilled_bytes(report: str) -> int:
     return sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
 
 
-# (rank, activations, factors): lowrank's bf16 factors at ranks 1 and 2, lora's fp32 adapters at rank 8, on bf16 and
-# fp32 models; rows per member 8 (decode: 8 prompts) and n_out of a 1.5B model's MLP
-CASES = [(1, "bfloat16", "bfloat16"), (2, "bfloat16", "bfloat16"), (8, "bfloat16", "float32"),
-         (1, "float32", "float32"), (8, "float32", "float32")]
+# (rank, activations, factors): factors in the model's dtype (lowrank's at ranks 1 and 2, lora's adapters at rank 8),
+# and fp32 factors on a bf16 model (lora when its base layers' dtypes differ); rows per member 8 (decode: 8 prompts)
+# and n_out of a 1.5B model's MLP
+CASES = [(1, "bfloat16", "bfloat16"), (2, "bfloat16", "bfloat16"), (8, "bfloat16", "bfloat16"),
+         (8, "bfloat16", "float32"), (1, "float32", "float32"), (8, "float32", "float32")]
 
 
 @pytest.mark.parametrize("arch", [80, 90])

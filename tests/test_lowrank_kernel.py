@@ -18,10 +18,11 @@ import torch
 
 pytest.importorskip("triton", reason="Triton not installed (the kernel then never runs)")
 
-# (rank, activation dtype, factor dtype, rows per member): lowrank's bf16 factors, lora's fp32 adapter factors; rank 3
-# pads to 4 (masked rank lanes); 2 and 20 rows per member
+# (rank, activation dtype, factor dtype, rows per member): factors in the model's dtype (lowrank; lora's static
+# buffers), and fp32 factors on a bf16 model; rank 3 pads to 4 (masked rank lanes); 2 and 20 rows per member
 CASES = [(1, torch.bfloat16, torch.bfloat16, 2), (3, torch.bfloat16, torch.bfloat16, 2),
-         (8, torch.float32, torch.float32, 2), (8, torch.bfloat16, torch.float32, 20), (4, torch.bfloat16, torch.bfloat16, 20)]
+         (8, torch.float32, torch.float32, 2), (8, torch.bfloat16, torch.bfloat16, 20),
+         (8, torch.bfloat16, torch.float32, 20), (4, torch.bfloat16, torch.bfloat16, 20)]
 
 CHILD = """
 import sys, torch

@@ -133,3 +133,28 @@ def test_lowrank_buffers_hold_the_hooks_factors_bit_for_bit_in_bf16(tiny_model, 
             assert a_t.dtype == torch.bfloat16 and a_t.is_contiguous() and b_t.is_contiguous()
             assert torch.equal(a_t, a.transpose(1, 2)) and torch.equal(b_t, b.transpose(1, 2)), name
     static.remove()
+
+
+def test_lora_buffers_of_a_bf16_model_hold_each_members_adapter_rounded_once(tiny_model):
+    """On a bf16 model PEFT keeps its adapters in fp32; StaticLora's buffers take the model's bf16 (the kernel
+    re-reads them per row), each value the fp32 member adapter (lora_adapters) rounded once: bit for bit, since the
+    default scaling (lora_alpha = 2 r) is a power of two."""
+    from esrl.es import get_mode, population
+    from esrl.es.config import ESConfig
+    from esrl.es.modes.lora import lora_adapters
+    from esrl.es.setup import build_policy, build_selection
+    from esrl.models import load_causal_lm
+
+    cfg = ESConfig(mode="lora", sigma=0.05, lora_rank=4, lora_alpha=8)
+    policy = build_policy(load_causal_lm(tiny_model).to(torch.bfloat16), cfg, 0)
+    selection, spec = build_selection(policy, cfg)
+    assert {p.dtype for p in selection.params} == {torch.float32}  # PEFT's autocast: the adapters stay fp32
+    static = get_mode("lora").static_population(policy, selection, spec)
+    members = population(5, 0, 4, antithetic=True)
+    static.load(members)
+    for i, adapters in enumerate(lora_adapters(policy, selection, spec, members)):
+        for name, (a, scaled_b) in adapters.items():
+            b_t, a_slots = static._buffers[name]
+            assert b_t.dtype == a_slots.dtype == torch.bfloat16
+            assert torch.equal(a_slots[i], a.bfloat16()) and torch.equal(b_t[i], scaled_b.T.bfloat16()), name
+    static.remove()

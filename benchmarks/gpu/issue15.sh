@@ -3,11 +3,13 @@
 # floor, lowrank, lora, a single member's generate and full mode), then configs/es_conciseness.yaml end to end.
 # Steps run in order of priority, each under its own time limit; everything lands in $OUT.
 #
-#   device run (carry .whl .gpu):  bash benchmarks/gpu/issue15.sh [steps]   steps: profile,tests,tiles,bench1,bench2,sbs,fused,host,prefill,determinism,e2e
+#   device run (carry .whl .gpu):  bash benchmarks/gpu/issue15.sh [steps]   steps: profile,tests,kernel,tiles,bench1,bench2,sbs,fused,host,prefill,determinism,e2e
 # E2E_ARGS adds esrl fit flags to e2e (e.g. "--model.rollout.compile fused"); DET_COMPILE=on limits determinism to the
 # recorded path (the default on CUDA); BENCH2_MODES overrides bench2's modes (e.g. single,full).
 # sbs: the same rows side by side in ONE process (es_throughput.py --rounds), so their ratios share the machine's state.
 # tiles: benchmarks/gpu/lowrank_tiles.py (the member-term kernel's block sizes, per 1.5B projection, rank 1 and 8).
+# kernel: the same, launch_plan's blocks only, side by side: A and ys loaded before or after the products
+# (EARLY_LOADS, session 19), and lora's rank-8 factors in bf16 (its buffers since session 19) or fp32 (before).
 # host: benchmarks/es_host_work.py (a chunk's load and the update, with and without reusing the load's draws).
 # prefill: benchmarks/prefill_head.py (a frozen lm_head on the prompts' last positions, by slice or by index).
 # determinism: floor and lowrank, recorded and eager, with esrl's repeatable attention and with any kernel.
@@ -24,13 +26,18 @@ export ESRL_TOKENIZER=$PWD/.gpu/tok
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, transformers, lightning; print('torch', torch.__version__, 'transformers', transformers.__version__, 'lightning', lightning.__version__)" | tee -a "$OUT/device.txt"
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
+quiet() { grep -v -E "Warning: |warn_once\(|warnings\.warn\("; }  # Python's warning lines, not pytest's summary
 BENCH="--model random:qwen2.5-1.5b --device cuda --prompts 8 --new-tokens 256 --members 30 --tokenizer $PWD/.gpu/tok"
 
 if has profile; then
   timeout 150 python3 benchmarks/gpu/decode_profile.py 2>&1 | grep -v -i warn | tee "$OUT/decode_profile.log"
 fi
 if has tests; then
-  timeout 240 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | grep -v -i warn | tee "$OUT/gpu_tests.log" | tail -15
+  timeout 240 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | quiet | tee "$OUT/gpu_tests.log" | tail -15
+fi
+if has kernel; then
+  timeout 120 python3 benchmarks/gpu/lowrank_tiles.py --ranks 1,8 --factor-dtypes bfloat16,float32 --default-only 2>&1 \
+    | quiet | tee "$OUT/lowrank_kernel.jsonl" | grep -E '"best"|Error'
 fi
 if has tiles; then  # block sizes of the member-term kernel: each candidate timed per projection, the best beside the default
   timeout 300 python3 benchmarks/gpu/lowrank_tiles.py ${TILES_ARGS:-} 2>&1 | grep -v -i warn | tee "$OUT/lowrank_tiles.jsonl" | grep -E '"best"|Error'

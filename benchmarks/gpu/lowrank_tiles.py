@@ -1,13 +1,16 @@
 """Block sizes for esrl's member-term kernel (`esrl.es.lowrank_kernel`), timed per projection of a 1.5B model.
 
 The kernel adds ys[i] += A_m (B_m^T x[i]) for every member's rows, once per perturbed linear per decode step: lowrank
-at rank 1 (bf16 factors), lora at rank 8 (fp32 adapters). This times each candidate `tiles` (launch_plan's overrides)
+at rank 1, lora at rank 8, with factors in the model's dtype (bf16; `--factor-dtypes bfloat16,float32` times lora's
+fp32 adapters beside them, as the kernel read them until session 19). This times each candidate `tiles` (overrides)
 on Qwen2.5-1.5B's seven projection shapes at decode (30 members x 8 rows) and prefill (x 64 tokens), checks each result
 within one bf16 rounding of the fp64 sum (plus fp32's error in long sums), and prints one JSON line per (rank, phase,
-config) with GPU microseconds per call and the sum over the model's 196 perturbed linears (28 layers x the 7 shapes:
-one decode step, or one prefill), then the best config per rank and phase beside the default.
+config; the first two: launch_plan's default and the same with EARLY_LOADS off) with GPU microseconds per call and
+the sum over the model's 196 perturbed linears (28 layers x the 7 shapes: one decode step, or one prefill), then the
+best config per rank and phase beside the default, and the default's time over EARLY_LOADS off's.
 
-    PYTHONPATH=src python3 benchmarks/gpu/lowrank_tiles.py [--ranks 1,8] [--reps 50]
+    PYTHONPATH=src python3 benchmarks/gpu/lowrank_tiles.py [--ranks 1,8] [--factor-dtypes bfloat16] [--reps 50]
+                                                           [--default-only]
 
 GPU only (CUDA events around replays of a captured graph of the calls, after a warm-up that compiles).
 """
@@ -27,6 +30,7 @@ SHAPES = {"q": (1536, 1536), "k": (1536, 256), "v": (1536, 256), "o": (1536, 153
           "up": (1536, 8960), "down": (8960, 1536)}  # name: (in, out), Qwen2.5-1.5B
 CONFIGS = [dict(BLOCK_IN=i, BLOCK_OUT=o, num_warps=w)
            for i, o, w in itertools.product([256, 512, 1024, 2048], [512, 1024, 4096], [4, 8])]
+LATE_LOADS = dict(EARLY_LOADS=False)  # the default block sizes, A and ys loaded after the products (before session 19)
 
 
 def time_us(fn, reps: int) -> float:
@@ -64,13 +68,15 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8, help="rows per member at decode (prompts per member)")
     ap.add_argument("--prompt", type=int, default=64, help="prefill: tokens per row")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--factor-dtypes", default="bfloat16", help="comma-separated torch dtypes of the factors")
+    ap.add_argument("--default-only", action="store_true", help="time launch_plan's block sizes only")
     args = ap.parse_args()
     print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__}), flush=True)
-    for rank in map(int, args.ranks.split(",")):
-        factor_dtype = torch.float32 if rank >= 4 else torch.bfloat16  # lora's fp32 adapters, lowrank's bf16
+    dtypes = [getattr(torch, name) for name in args.factor_dtypes.split(",")]
+    for rank, factor_dtype in itertools.product(map(int, args.ranks.split(",")), dtypes):
         for phase, rows in (("decode", args.rows), ("prefill", args.rows * args.prompt)):
             results = []
-            for tiles in [None] + CONFIGS:
+            for tiles in [None, LATE_LOADS] + ([] if args.default_only else CONFIGS):
                 total, per_shape, ok = 0.0, {}, True
                 for name, (n_in, n_out) in SHAPES.items():
                     ys, xs, a_t, b_t = inputs(args.members, rows, n_in, n_out, rank, factor_dtype)
@@ -87,18 +93,21 @@ def main() -> None:
                     reps = args.reps if phase == "decode" else max(3, args.reps // 10)
                     per_shape[name] = round(time_us(lambda: lowrank_add_(ys, xs, a_t, b_t, tiles), reps), 2)
                     total += per_shape[name] * LAYERS
-                row = {"rank": rank, "phase": phase, "tiles": tiles or "default", "correct": ok,
-                       "us_per_call": per_shape, "ms_all_linears": round(total / 1000, 3)}
+                row = {"rank": rank, "factors": str(factor_dtype), "phase": phase, "tiles": tiles or "default",
+                       "correct": ok, "us_per_call": per_shape, "ms_all_linears": round(total / 1000, 3)}
                 print(json.dumps(row), flush=True)
                 if ok is True:
                     results.append(row)
             if not results:
-                print(json.dumps({"rank": rank, "phase": phase, "best": None, "why": "no config was correct"}))
+                print(json.dumps({"rank": rank, "factors": str(factor_dtype), "phase": phase, "best": None,
+                                  "why": "no config was correct"}))
                 continue
             best = min(results, key=lambda r: r["ms_all_linears"])
             default = next((r["ms_all_linears"] for r in results if r["tiles"] == "default"), None)
+            late = next((r["ms_all_linears"] for r in results if r["tiles"] == LATE_LOADS), None)
             print(json.dumps({"best": best, "default_ms_all_linears": default,
-                              "default_over_best": default and round(default / best["ms_all_linears"], 3)}), flush=True)
+                              "default_over_best": default and round(default / best["ms_all_linears"], 3),
+                              "early_over_late_loads": default and late and round(default / late, 3)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -31,12 +31,25 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 if triton is not None:
     @triton.jit
     def _lowrank_rows(ys_ptr, xs_ptr, bt_ptr, at_ptr, rows_per_member, n_in, n_out, ys_stride, xs_stride,
-                      RANK: tl.constexpr, RANKS: tl.constexpr, BLOCK_IN: tl.constexpr, BLOCK_OUT: tl.constexpr):
+                      RANK: tl.constexpr, RANKS: tl.constexpr, BLOCK_IN: tl.constexpr, BLOCK_OUT: tl.constexpr,
+                      EARLY_LOADS: tl.constexpr):
         """One program: one row, one block of outputs. c = B^T x for all r at once (a [RANKS, BLOCK_IN] tile per
-        step over `in`), then ys[cols] += sum_r c_r A[r, cols]. RANKS: RANK rounded up to a power of two."""
+        step over `in`), then ys[cols] += sum_r c_r A[r, cols]. RANKS: RANK rounded up to a power of two.
+        EARLY_LOADS: A's block and the row's outputs are loaded first: they do not depend on c, so their memory
+        latency can overlap the products' instead of following it (a decode step's grids are one or two waves of
+        programs: a kernel lasts about as long as a program's chain of dependent loads). Chosen without a GPU in
+        session 19 (same math, bit for bit; more registers: rank 1 91 -> 155, rank 8 173 -> 249 on sm_90);
+        benchmarks/gpu/lowrank_tiles.py times it against EARLY_LOADS=False."""
         row = tl.program_id(0).to(tl.int64)
         factor = (row // rows_per_member) * RANK + tl.arange(0, RANKS)
         rank_ok = tl.arange(0, RANKS) < RANK
+        cols = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
+        col_ok = cols < n_out
+        a_ptrs, a_ok = at_ptr + factor[:, None] * n_out + cols[None, :], rank_ok[:, None] & col_ok[None, :]
+        ys_row = ys_ptr + row * ys_stride
+        if EARLY_LOADS:
+            a = tl.load(a_ptrs, mask=a_ok, other=0.0)
+            y = tl.load(ys_row + cols, mask=col_ok, other=0.0)
         dots = tl.zeros([RANKS, BLOCK_IN], dtype=tl.float32)
         for start in range(0, n_in, BLOCK_IN):
             k = start + tl.arange(0, BLOCK_IN)
@@ -46,25 +59,23 @@ if triton is not None:
                         other=0.0).to(tl.float32)
             dots += b * x[None, :]
         c = tl.sum(dots, axis=1)
-        cols = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
-        col_ok = cols < n_out
-        a = tl.load(at_ptr + factor[:, None] * n_out + cols[None, :], mask=rank_ok[:, None] & col_ok[None, :],
-                    other=0.0).to(tl.float32)
-        ys_row = ys_ptr + row * ys_stride
-        acc = tl.load(ys_row + cols, mask=col_ok, other=0.0).to(tl.float32) + tl.sum(a * c[:, None], axis=0)
+        if not EARLY_LOADS:
+            a = tl.load(a_ptrs, mask=a_ok, other=0.0)
+            y = tl.load(ys_row + cols, mask=col_ok, other=0.0)
+        acc = y.to(tl.float32) + tl.sum(a.to(tl.float32) * c[:, None], axis=0)
         tl.store(ys_row + cols, acc.to(ys_ptr.dtype.element_ty), mask=col_ok)
 
 
 def launch_plan(rank: int, rows_per_member: int, n_out: int, tiles: dict | None = None):
     """(kernel, grid as a function of the member count, compile-time constants, launch options) for one product.
     The one definition of the block sizes: lowrank_add_ launches it, tests/test_kernel_build.py compiles it for
-    sm_80 and sm_90 (no spills), benchmarks/gpu/lowrank_tiles.py times overrides: `tiles` may set BLOCK_IN, BLOCK_OUT
-    and num_warps."""
+    sm_80 and sm_90 (no spills), benchmarks/gpu/lowrank_tiles.py times overrides: `tiles` may set BLOCK_IN, BLOCK_OUT,
+    num_warps and EARLY_LOADS."""
     # the fastest without spills on an H100 at decode, rank 1 (lowrank) and 8 (lora); RESULTS, session 18. The A tile
     # is RANKS x BLOCK_OUT fp32 values in registers: at most 32k (256 threads, 128 each) at higher ranks
     ranks = max(2, triton.next_power_of_2(rank))
     t = {"BLOCK_IN": min(2048, 8192 // ranks), "BLOCK_OUT": min(4096, 32768 // ranks),
-         "num_warps": 8 if ranks >= 8 else 4, **(tiles or {})}
+         "num_warps": 8 if ranks >= 8 else 4, "EARLY_LOADS": True, **(tiles or {})}
     warps = t.pop("num_warps")
     grid = lambda m: (m * rows_per_member, triton.cdiv(n_out, t["BLOCK_OUT"]))
     return _lowrank_rows, grid, {"RANK": rank, "RANKS": ranks, **t}, {"num_warps": warps}

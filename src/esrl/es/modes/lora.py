@@ -210,9 +210,12 @@ class AdapterSlots:
     """Buffers for M members' adapters, per PEFT module: lora_A (M, r, in) and scaling * lora_B (M, out, r), or its
     transpose (M, r, out) with `b_transposed` (the layout esrl.es.lowrank_kernel reads). The selected tensors of one
     shape and factor are slices of one (G, M, ...) tensor, so write_member_adapters writes a group with a few launches,
-    not each tensor (a 1.5B model: 392 adapter tensors, 5 groups)."""
+    not each tensor (a 1.5B model: 392 adapter tensors, 5 groups). `dtype`: the buffers' dtype (default: the
+    adapters', fp32 under PEFT's autocast); a member tensor is computed in the adapters' dtype and rounded to it once
+    (lora_B's scaling, applied after, rounds again unless it is a power of two, as the default lora_alpha = 2 r)."""
 
-    def __init__(self, model: torch.nn.Module, selection: ParamSelection, members: int, b_transposed: bool = False):
+    def __init__(self, model: torch.nn.Module, selection: ParamSelection, members: int, b_transposed: bool = False,
+                 dtype: torch.dtype | None = None):
         self.peft = peft_lora_modules(model)  # name -> (lora_A, lora_B, scaling)
         where = {}
         for name, (a, b, _) in self.peft.items():
@@ -235,7 +238,7 @@ class AdapterSlots:
                     continue
                 flip = kind == 1 and b_transposed
                 p = group.params[0]
-                storage = p.new_empty(len(group), members, *(p.shape[::-1] if flip else p.shape))
+                storage = p.new_empty(len(group), members, *(p.shape[::-1] if flip else p.shape), dtype=dtype)
                 for g, module in enumerate(modules):
                     stored[module, kind] = storage[g]
                 view = storage.permute(1, 0, 3, 2) if flip else storage.transpose(0, 1)
@@ -245,7 +248,8 @@ class AdapterSlots:
             for kind, factor in enumerate((a, b)):
                 if (name, kind) not in stored:
                     flip = kind == 1 and b_transposed
-                    stored[name, kind] = factor.new_empty(members, *(factor.shape[::-1] if flip else factor.shape))
+                    stored[name, kind] = factor.new_empty(members, *(factor.shape[::-1] if flip else factor.shape),
+                                                          dtype=dtype)
                     self.copied.append((name, kind, factor, stored[name, kind].transpose(1, 2) if flip else
                                         stored[name, kind]))
         self.modules = {name: (stored[name, 0], stored[name, 1]) for name in self.peft}
@@ -284,7 +288,9 @@ class StaticLora(StaticPopulation):
     """lora for compiled decoding: PEFT's own adapter path is switched off (its layers' enable_adapters) and a hook on
     each LoRA layer's base Linear adds the row's member adapter, (x A_i^T) (scaling B_i)^T, from persistent buffers
     (A_i (M, r, in), scaling B_i^T (M, r, out)): one esrl.es.lowrank_kernel launch per adapted linear on a GPU,
-    instead of PEFT's adapter GEMMs plus per-member ones that replaced their outputs."""
+    instead of PEFT's adapter GEMMs plus per-member ones that replaced their outputs. The buffers hold the base
+    weights' dtype, as lowrank's factors do: the kernel re-reads a member's factors for each of its rows (from L2), so
+    lora's fp32 adapters doubled its traffic; the kernel still sums in fp32 and rounds the output once."""
 
     def _layers(self) -> list[tuple[str, torch.nn.Module]]:
         from peft.tuners.lora import LoraLayer
@@ -300,7 +306,9 @@ class StaticLora(StaticPopulation):
         super().__init__(model, selection, spec)
 
     def _fill(self, members):
-        slots = AdapterSlots(self.model, self.selection, len(members), b_transposed=True)
+        dtypes = {layer.base_layer.weight.dtype for _, layer in self._layers()}
+        slots = AdapterSlots(self.model, self.selection, len(members), b_transposed=True,
+                             dtype=dtypes.pop() if len(dtypes) == 1 else None)
         self._slots[len(members)] = slots
         write_member_adapters(self.model, self.selection, self.spec, members, slots)
         return {name: (b_t, a) for name, (a, b_t) in slots.modules.items()}
