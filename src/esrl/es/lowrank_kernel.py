@@ -101,7 +101,7 @@ def lowrank_add_(ys: torch.Tensor, xs: torch.Tensor, a_t: torch.Tensor, b_t: tor
         kernel, grid, consts, options = launch_plan(a_t.shape[1], n, n_out, tiles)
         kernel[grid(m)](ys, xs, b_t, a_t, n, xs.shape[-1], n_out, n_out, xs.stride(0), **consts, **options)
         return
-    if a_t.dtype != ys.dtype:  # factors kept in fp32 (lora adapters): compute there, add once
+    if a_t.dtype != ys.dtype:  # fp32 factors (lora on base layers of mixed dtypes): compute there, add once
         ys.add_(torch.bmm(torch.bmm(xs.to(a_t.dtype), b_t.transpose(1, 2)), a_t).to(ys.dtype))
     elif a_t.shape[1] == 1:  # rank 1: x.b as a batched GEMV, then one broadcast multiply-add, no (M, n, in) product
         # (b_t's transposed view, not a reshaped (M, in, 1) copy: BLAS's transposed path is 2.6-7x faster on a CPU
