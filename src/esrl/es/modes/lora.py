@@ -306,9 +306,10 @@ class StaticLora(StaticPopulation):
         super().__init__(model, selection, spec)
 
     def _fill(self, members):
-        dtypes = {layer.base_layer.weight.dtype for _, layer in self._layers()}
+        dtypes = {layer.base_layer.weight.dtype for _, layer in self._layers()}  # one float dtype, else the adapters'
+        dtype = dtypes.pop() if len(dtypes) == 1 else None
         slots = AdapterSlots(self.model, self.selection, len(members), b_transposed=True,
-                             dtype=dtypes.pop() if len(dtypes) == 1 else None)
+                             dtype=dtype if dtype is not None and dtype.is_floating_point else None)
         self._slots[len(members)] = slots
         write_member_adapters(self.model, self.selection, self.spec, members, slots)
         return {name: (b_t, a) for name, (a, b_t) in slots.modules.items()}
