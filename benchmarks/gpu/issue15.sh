@@ -30,7 +30,7 @@ quiet() { grep -v -E "Warning: |warn_once\(|warnings\.warn\("; }  # Python's war
 BENCH="--model random:qwen2.5-1.5b --device cuda --prompts 8 --new-tokens 256 --members 30 --tokenizer $PWD/.gpu/tok"
 
 if has profile; then
-  timeout 150 python3 benchmarks/gpu/decode_profile.py 2>&1 | grep -v -i warn | tee "$OUT/decode_profile.log"
+  timeout 150 python3 benchmarks/gpu/decode_profile.py 2>&1 | quiet | tee "$OUT/decode_profile.log"
 fi
 if has tests; then
   timeout 240 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | quiet | tee "$OUT/gpu_tests.log" | tail -15
@@ -40,7 +40,7 @@ if has kernel; then
     | quiet | tee "$OUT/lowrank_kernel.jsonl" | grep -E '"best"|Error'
 fi
 if has tiles; then  # block sizes of the member-term kernel: each candidate timed per projection, the best beside the default
-  timeout 300 python3 benchmarks/gpu/lowrank_tiles.py ${TILES_ARGS:-} 2>&1 | grep -v -i warn | tee "$OUT/lowrank_tiles.jsonl" | grep -E '"best"|Error'
+  timeout 300 python3 benchmarks/gpu/lowrank_tiles.py ${TILES_ARGS:-} 2>&1 | quiet | tee "$OUT/lowrank_tiles.jsonl" | grep -E '"best"|Error'
 fi
 if has bench1; then
   (cd benchmarks && timeout 60 python3 es_throughput.py $BENCH --modes floor --compile off --repeats 2 2>&1 | grep '^{' | tee "$OUT/bench_eager.jsonl")
@@ -87,7 +87,7 @@ PY
     prof=""; [ -n "${E2E_PROFILE:-}" ] && prof="-m cProfile -o $OUT/e2e_$mode.prof"
     timeout 200 python3 $prof -m esrl.cli fit --config configs/es_conciseness.yaml --model.policy.name_or_path /tmp/qwen15b \
       --model.es.mode $mode --trainer.max_steps $steps --trainer.default_root_dir /tmp/e2e_$mode \
-      --trainer.enable_progress_bar false ${E2E_ARGS:-} 2>&1 | grep -v -i warn | tail -6
+      --trainer.enable_progress_bar false ${E2E_ARGS:-} 2>&1 | quiet | tail -6
     f=$(ls /tmp/e2e_$mode/lightning_logs/version_*/metrics.csv 2>/dev/null | head -1)
     [ -n "$f" ] && cp "$f" "$OUT/e2e_${mode}_metrics.csv"
     [ -n "$prof" ] && python3 -c "import pstats; pstats.Stats('$OUT/e2e_$mode.prof').sort_stats('tottime').print_stats(25)" | tail -40

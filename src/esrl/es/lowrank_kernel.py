@@ -38,8 +38,8 @@ if triton is not None:
         EARLY_LOADS: A's block and the row's outputs are loaded first: they do not depend on c, so their memory
         latency can overlap the products' instead of following it (a decode step's grids are one or two waves of
         programs: a kernel lasts about as long as a program's chain of dependent loads). Chosen without a GPU in
-        session 19 (same math, bit for bit; more registers: rank 1 91 -> 155, rank 8 173 -> 249 on sm_90);
-        benchmarks/gpu/lowrank_tiles.py times it against EARLY_LOADS=False."""
+        session 19: the same math bit for bit, more registers (off -> on, sm_90: rank 1 90 -> 155, rank 8 173 ->
+        249); benchmarks/gpu/lowrank_tiles.py times it against EARLY_LOADS=False."""
         row = tl.program_id(0).to(tl.int64)
         factor = (row // rows_per_member) * RANK + tl.arange(0, RANKS)
         rank_ok = tl.arange(0, RANKS) < RANK
