@@ -273,6 +273,7 @@ def test_rank1_factors_reach_the_hooks_row_major(tiny_lm, tok, static, monkeypat
     batched GEMV down BLAS's 3.5-7x slower route (RESULTS, session 12): both population paths must hand the hooks
     row-major copies (strides (n, n, 1))."""
     import esrl.es.modes.lowrank as lowrank_mode
+    import esrl.es.static_population as static_population
     from esrl.es import get_mode
 
     spec = NoiseSpec(mode="lowrank", sigma=0.01, rank=1)
@@ -282,6 +283,9 @@ def test_rank1_factors_reach_the_hooks_row_major(tiny_lm, tok, static, monkeypat
     add = lowrank_mode.lowrank_add_
     monkeypatch.setattr(lowrank_mode, "lowrank_add_", lambda ys, xs, a_t, b_t: seen.append((a_t, b_t)) or
                         add(ys, xs, a_t, b_t))
+    add_linears = static_population.lowrank_add_linears_  # the static hooks' (q, k and v in one call)
+    monkeypatch.setattr(static_population, "lowrank_add_linears_", lambda terms, xs: seen.extend(
+        t[1:] for t in terms) or add_linears(terms, xs))
     enc = tok(PROMPTS * len(members), return_tensors="pt", padding=True, add_special_tokens=False)
     row_member = torch.arange(len(members)).repeat_interleave(len(PROMPTS))
     with torch.no_grad():

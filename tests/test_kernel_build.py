@@ -24,7 +24,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # bytes of shared memory one block may use (A100, H100)
 POINTER = {"bfloat16": "*bf16", "float32": "*fp32"}
-INTS = ("rows_per_member", "n_in", "n_out", "ys_stride", "xs_stride")
+PER_LINEAR = ("ys", "bt", "at", "n_out", "ys_stride")  # the kernel's arguments for each of its 1-3 linears
 
 
 def _build(fn, signature: dict, consts: dict, options: dict, arch: int):
@@ -48,22 +48,28 @@ def _spilled_bytes(report: str) -> int:
     return sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
 
 
-# (rank, activations, factors): factors in the model's dtype (lowrank's at ranks 1 and 2, lora's adapters at rank 8),
-# and fp32 factors on a bf16 model (lora when its base layers' dtypes differ); rows per member 8 (decode: 8 prompts)
-# and n_out of a 1.5B model's MLP
-CASES = [(1, "bfloat16", "bfloat16"), (2, "bfloat16", "bfloat16"), (8, "bfloat16", "bfloat16"),
-         (8, "bfloat16", "float32"), (1, "float32", "float32"), (8, "float32", "float32")]
+# (rank, activations, factors, linears): factors in the model's dtype (lowrank's at ranks 1 and 2, lora's adapters at
+# rank 8), and fp32 factors on a bf16 model (lora when its base layers' dtypes differ); one linear, or three (q, k and
+# v in one launch); rows per member 8 (decode: 8 prompts) and n_out of a 1.5B model's MLP
+CASES = [(1, "bfloat16", "bfloat16", 1), (2, "bfloat16", "bfloat16", 1), (8, "bfloat16", "bfloat16", 1),
+         (8, "bfloat16", "float32", 1), (1, "float32", "float32", 1), (8, "float32", "float32", 1),
+         (1, "bfloat16", "bfloat16", 3), (8, "bfloat16", "bfloat16", 3), (8, "bfloat16", "bfloat16", 2)]
+
+
+def lowrank_signature(dtype: str, factor_dtype: str) -> dict:
+    types = {"ys": POINTER[dtype], "bt": POINTER[factor_dtype], "at": POINTER[factor_dtype], "n_out": "i32",
+             "ys_stride": "i32"}
+    return {"xs_ptr": POINTER[dtype], "rows_per_member": "i32", "n_in": "i32", "xs_stride": "i32", "blocks": "i32",
+            **{f"{name}{i}": types[name] for i in range(3) for name in PER_LINEAR}}
 
 
 @pytest.mark.parametrize("arch", [80, 90])
-@pytest.mark.parametrize("rank,dtype,factor_dtype", CASES)
-def test_the_lowrank_kernel_builds_for_the_gpus_users_run(rank, dtype, factor_dtype, arch):
+@pytest.mark.parametrize("rank,dtype,factor_dtype,linears", CASES)
+def test_the_lowrank_kernel_builds_for_the_gpus_users_run(rank, dtype, factor_dtype, linears, arch):
     from esrl.es.lowrank_kernel import launch_plan
 
-    fn, _, consts, options = launch_plan(rank, rows_per_member=8, n_out=8960)
-    signature = {"ys_ptr": POINTER[dtype], "xs_ptr": POINTER[dtype], "bt_ptr": POINTER[factor_dtype],
-                 "at_ptr": POINTER[factor_dtype], **{k: "i32" for k in INTS}}
-    kernel, report = _build(fn, signature, consts, options, arch)
+    fn, _, consts, options = launch_plan(rank, rows_per_member=8, n_outs=(8960, 256, 256)[:linears])
+    kernel, report = _build(fn, lowrank_signature(dtype, factor_dtype), consts, options, arch)
     assert kernel.metadata.shared <= SHARED_LIMIT[arch], (kernel.metadata.shared, consts)
     if dtype == "bfloat16":
         assert _spilled_bytes(report) == 0, report

@@ -69,3 +69,35 @@ def test_the_triton_kernel_in_the_interpreter_equals_the_fp64_sum_and_the_torch_
                                               a_t.double().abs())
         assert ((got.double() - torch_path.double()).abs() <= 3 * tol * scale + 1e-6).all(), rank
         assert not torch.equal(got, ys)  # the term was added
+
+
+LINEARS_CHILD = """
+import sys, torch
+from esrl.es.lowrank_kernel import lowrank_add_, lowrank_add_linears_
+xs, terms = torch.load(sys.argv[1])
+one_by_one = [ys.clone() for ys, _, _ in terms]
+for ys, (_, a_t, b_t) in zip(one_by_one, terms):
+    lowrank_add_(ys, xs, a_t, b_t)
+together = [ys.clone() for ys, _, _ in terms]
+lowrank_add_linears_([(ys, a_t, b_t) for ys, (_, a_t, b_t) in zip(together, terms)], xs)
+torch.save((one_by_one, together), sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("rank,dtype", [(1, torch.bfloat16), (8, torch.float32)])
+def test_one_launch_for_linears_sharing_an_input_equals_one_launch_each(tmp_path, rank, dtype):
+    """q, k and v in one launch (the grid's second axis picks the linear): each output is the one-launch-per-linear
+    kernel's bit for bit, for widths that differ, one wider than a block of outputs at rank 8 (4096) and a fourth
+    linear (a second launch)."""
+    g = torch.Generator().manual_seed(rank)
+    m, n, n_in = 3, 2, 300
+    xs = torch.randn(m, n, n_in, generator=g).to(dtype)
+    randn = lambda *shape: torch.randn(*shape, generator=g)
+    terms = [(randn(m, n, n_out).to(dtype), (randn(m, rank, n_out) * 0.1).to(dtype),
+              (randn(m, rank, n_in) * 0.1).to(dtype)) for n_out in (1100, 70, 5000, 33)]
+    torch.save((xs, terms), tmp_path / "in.pt")
+    subprocess.run([sys.executable, "-c", LINEARS_CHILD, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                   env={**os.environ, "TRITON_INTERPRET": "1"}, check=True, timeout=300)
+    one_by_one, together = torch.load(tmp_path / "out.pt")
+    for (ys, _, _), want, got in zip(terms, one_by_one, together):
+        assert torch.equal(got, want) and not torch.equal(got, ys), ys.shape

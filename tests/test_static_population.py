@@ -1,8 +1,9 @@
 """ES populations on the static decoder (`rollout.compile: on`, run eagerly on the CPU): a chunk through the mode's
 StaticPopulation (hooks installed once, buffers refilled per chunk; lora: PEFT's adapter path switched off and the
-member adapter added on the base Linear, esrl.es.lowrank_kernel's torch path here) gives the eager engine's per-chunk
-hooks token for token, members differ, and afterwards plain generation is the policy's own (adapter back on, the
-adapter's requires_grad flags unchanged). fp32 tiny Llama. On a GPU the same kernel runs as Triton: tests/test_gpu.py.
+member adapter added on the base Linear, esrl.es.lowrank_kernel's torch path here; q, k and v add their terms in one
+call after v_proj) gives the eager engine's per-chunk hooks token for token, members differ, and afterwards plain
+generation is the policy's own (adapter back on, the adapter's requires_grad flags unchanged). fp32 tiny Llama. On a
+GPU the same kernel runs as Triton: tests/test_gpu.py.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def test_static_population_equals_eager_hooks(tiny_model, mode_name, fields):
     eager, static = HFEngine(policy, tok, compile="off"), HFEngine(policy, tok, compile="on", prompt_bucket=16)
     backend = InPlaceES(static, policy, selection, spec, mode)
     members = population(2, 0, 6)
-    for chunk in (members[:3], members[3:]):
+    for i, chunk in enumerate((members[:3], members[3:])):
         want = eager.generate_population(PROMPTS, 3, lambda rows, c=chunk: mode.population(policy, selection, spec,
                                                                                              c, rows),
                                          max_new_tokens=NEW, min_new_tokens=NEW)
@@ -46,6 +47,9 @@ def test_static_population_equals_eager_hooks(tiny_model, mode_name, fields):
                                          min_new_tokens=NEW)
         assert [[c.token_ids for c in m] for m in got] == [[c.token_ids for c in m] for m in want]
         assert len({tuple(m[1].token_ids) for m in got}) > 1
+        if i == 0:  # q, k and v of each layer take their terms in one call, after v_proj (esrl.es.shared_inputs)
+            last = [run[-1].removesuffix(".weight").rsplit(".", 1)[-1] for run in backend.static.runs]
+            assert last == ["v_proj"] * policy.config.num_hidden_layers
     base = [c.token_ids for c in eager.generate(PROMPTS, max_new_tokens=NEW, min_new_tokens=NEW)]
     assert [c.token_ids for c in static.generate(PROMPTS, max_new_tokens=NEW, min_new_tokens=NEW)] == base
     assert {n: p.requires_grad for n, p in policy.named_parameters()} == grads

@@ -4,7 +4,10 @@ A recorded (CUDA-graph) decode step still pays ~2-4 us per kernel however small 
 term (then a product, a sum and an addcmul at rank 1; two batched GEMMs else) were 2-3 launches per perturbed linear,
 and a 1.5B model has 196 of them: +37% on the decode step (H100, benchmarks/gpu/decode_profile.py). The kernel reads x,
 the member's factors and ys once, accumulates in fp32 and rounds once; it has no atomics, so it repeats bit for bit.
-ES lowrank (A, B: the member's noise factors) and lora (A: lora_A, B^T: scaling * lora_B of the member's adapter) use it.
+ES lowrank (A, B: the member's noise factors) and lora (A: lora_A, B^T: scaling * lora_B of the member's adapter)
+use it. Linears that read the same x (an attention's q, k and v) can share one launch (`lowrank_add_linears_`;
+esrl.es.shared_inputs says when a model allows it): the grid's second axis picks the linear, each program is the
+one-linear program, so the sums are the same bit for bit, and a layer pays one launch for the three.
 
 One program per row and block of outputs: x.B by elementwise products, then the rank's outputs. At lora's rank 8 a
 tiled kernel (one program per member and block of rows, both products by tl.dot, each factor read once per block of
@@ -30,20 +33,33 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 if triton is not None:
     @triton.jit
-    def _lowrank_rows(ys_ptr, xs_ptr, bt_ptr, at_ptr, rows_per_member, n_in, n_out, ys_stride, xs_stride,
+    def _lowrank_rows(xs_ptr, rows_per_member, n_in, xs_stride, blocks,
+                      ys0, bt0, at0, n_out0, ys_stride0, ys1, bt1, at1, n_out1, ys_stride1,
+                      ys2, bt2, at2, n_out2, ys_stride2,
                       RANK: tl.constexpr, RANKS: tl.constexpr, BLOCK_IN: tl.constexpr, BLOCK_OUT: tl.constexpr,
-                      EARLY_LOADS: tl.constexpr):
-        """One program: one row, one block of outputs. c = B^T x for all r at once (a [RANKS, BLOCK_IN] tile per
-        step over `in`), then ys[cols] += sum_r c_r A[r, cols]. RANKS: RANK rounded up to a power of two.
+                      EARLY_LOADS: tl.constexpr, LINEARS: tl.constexpr):
+        """One program: one row, one block of outputs of one of LINEARS (1-3) linears that read the same x (q, k
+        and v: one launch for three; esrl.es.shared_inputs). c = B^T x for all r at once (a [RANKS, BLOCK_IN] tile
+        per step over `in`), then ys[cols] += sum_r c_r A[r, cols]. RANKS: RANK rounded up to a power of two.
         EARLY_LOADS: A's block and the row's outputs are loaded first: they do not depend on c, so their memory
         latency can overlap the products' instead of following it (a decode step's grids are one or two waves of
         programs: a kernel lasts about as long as a program's chain of dependent loads). Chosen without a GPU in
         session 19: the same math bit for bit, more registers (off -> on, sm_90: rank 1 90 -> 155, rank 8 173 ->
         249); benchmarks/gpu/lowrank_tiles.py times it against EARLY_LOADS=False."""
         row = tl.program_id(0).to(tl.int64)
+        block = tl.program_id(1)
+        ys_ptr, bt_ptr, at_ptr, n_out, ys_stride = ys0, bt0, at0, n_out0, ys_stride0
+        if LINEARS > 1:
+            which = block // blocks
+            block = block % blocks
+            if which == 1:
+                ys_ptr, bt_ptr, at_ptr, n_out, ys_stride = ys1, bt1, at1, n_out1, ys_stride1
+            if LINEARS > 2:
+                if which == 2:
+                    ys_ptr, bt_ptr, at_ptr, n_out, ys_stride = ys2, bt2, at2, n_out2, ys_stride2
         factor = (row // rows_per_member) * RANK + tl.arange(0, RANKS)
         rank_ok = tl.arange(0, RANKS) < RANK
-        cols = tl.program_id(1) * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
+        cols = block * BLOCK_OUT + tl.arange(0, BLOCK_OUT)
         col_ok = cols < n_out
         a_ptrs, a_ok = at_ptr + factor[:, None] * n_out + cols[None, :], rank_ok[:, None] & col_ok[None, :]
         ys_row = ys_ptr + row * ys_stride
@@ -66,19 +82,26 @@ if triton is not None:
         tl.store(ys_row + cols, acc.to(ys_ptr.dtype.element_ty), mask=col_ok)
 
 
-def launch_plan(rank: int, rows_per_member: int, n_out: int, tiles: dict | None = None):
-    """(kernel, grid as a function of the member count, compile-time constants, launch options) for one product.
-    The one definition of the block sizes: lowrank_add_ launches it, tests/test_kernel_build.py compiles it for
-    sm_80 and sm_90 (no spills), benchmarks/gpu/lowrank_tiles.py times overrides: `tiles` may set BLOCK_IN, BLOCK_OUT,
-    num_warps and EARLY_LOADS."""
+MAX_LINEARS = 3
+"""Linears one launch takes (q, k and v of an attention layer)."""
+
+
+def launch_plan(rank: int, rows_per_member: int, n_outs: tuple[int, ...], tiles: dict | None = None):
+    """(kernel, grid as a function of the member count, compile-time constants, launch options) for one launch over
+    the linears whose output sizes are `n_outs` (1 to MAX_LINEARS, one input). The one definition of the block
+    sizes: lowrank_add_ launches it, tests/test_kernel_build.py compiles it for sm_80 and sm_90 (no spills),
+    benchmarks/gpu/lowrank_tiles.py times overrides: `tiles` may set BLOCK_IN, BLOCK_OUT, num_warps and
+    EARLY_LOADS. The grid's second axis: each linear's blocks of outputs (as many as the widest one's), linear by
+    linear."""
     # the fastest without spills on an H100 at decode, rank 1 (lowrank) and 8 (lora); RESULTS, session 18. The A tile
     # is RANKS x BLOCK_OUT fp32 values in registers: at most 32k (256 threads, 128 each) at higher ranks
     ranks = max(2, triton.next_power_of_2(rank))
     t = {"BLOCK_IN": min(2048, 8192 // ranks), "BLOCK_OUT": min(4096, 32768 // ranks),
          "num_warps": 8 if ranks >= 8 else 4, "EARLY_LOADS": True, **(tiles or {})}
     warps = t.pop("num_warps")
-    grid = lambda m: (m * rows_per_member, triton.cdiv(n_out, t["BLOCK_OUT"]))
-    return _lowrank_rows, grid, {"RANK": rank, "RANKS": ranks, **t}, {"num_warps": warps}
+    blocks = triton.cdiv(max(n_outs), t["BLOCK_OUT"])
+    grid = lambda m: (m * rows_per_member, len(n_outs) * blocks)
+    return _lowrank_rows, grid, {"RANK": rank, "RANKS": ranks, "LINEARS": len(n_outs), **t}, {"num_warps": warps}
 
 
 def row_major(factors: torch.Tensor) -> torch.Tensor:
@@ -93,14 +116,37 @@ def lowrank_add_(ys: torch.Tensor, xs: torch.Tensor, a_t: torch.Tensor, b_t: tor
                  tiles: dict | None = None) -> None:
     """ys (M, n, out) += (xs (M, n, in) b_t^T) a_t in place, with a_t (M, r, out) and b_t (M, r, in) row-major
     (`row_major`). `tiles`: block sizes for benchmarks (launch_plan)."""
-    if triton is not None and (ys.is_cuda or INTERPRETED) and ys.is_contiguous():
-        m, n, n_out = ys.shape
+    lowrank_add_linears_([(ys, a_t, b_t)], xs, tiles)
+
+
+def lowrank_add_linears_(terms: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], xs: torch.Tensor,
+                         tiles: dict | None = None) -> None:
+    """lowrank_add_ for linears that read the same xs, each (ys, a_t, b_t) of one rank and dtypes: one kernel launch
+    for up to MAX_LINEARS of them on a GPU (the same sums as one launch each), the torch ops one linear at a time
+    elsewhere."""
+    if len({(ys.dtype, a_t.dtype, b_t.dtype, a_t.shape[1]) for ys, a_t, b_t in terms}) > 1:  # one kernel build each
+        for term in terms:
+            lowrank_add_linears_([term], xs, tiles)
+        return
+    if triton is not None and (terms[0][0].is_cuda or INTERPRETED) and all(t[0].is_contiguous() for t in terms):
+        m, n = terms[0][0].shape[:2]
         xs = xs.reshape(m * n, xs.shape[-1])
         if xs.stride(-1) != 1:
             xs = xs.contiguous()
-        kernel, grid, consts, options = launch_plan(a_t.shape[1], n, n_out, tiles)
-        kernel[grid(m)](ys, xs, b_t, a_t, n, xs.shape[-1], n_out, n_out, xs.stride(0), **consts, **options)
+        for start in range(0, len(terms), MAX_LINEARS):
+            part = terms[start:start + MAX_LINEARS]
+            n_outs = tuple(ys.shape[-1] for ys, _, _ in part)
+            kernel, grid, consts, options = launch_plan(part[0][1].shape[1], n, n_outs, tiles)
+            padded = part + [part[0]] * (MAX_LINEARS - len(part))  # unused pointer slots (LINEARS says how many)
+            per_linear = [v for ys, a_t, b_t in padded for v in (ys, b_t, a_t, ys.shape[-1], ys.shape[-1])]
+            blocks = grid(1)[1] // len(part)  # of outputs per linear
+            kernel[grid(m)](xs, n, xs.shape[-1], xs.stride(0), blocks, *per_linear, **consts, **options)
         return
+    for ys, a_t, b_t in terms:
+        _torch_add_(ys, xs, a_t, b_t)
+
+
+def _torch_add_(ys: torch.Tensor, xs: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor) -> None:
     if a_t.dtype != ys.dtype:  # fp32 factors (lora on base layers of mixed dtypes): compute there, add once
         ys.add_(torch.bmm(torch.bmm(xs.to(a_t.dtype), b_t.transpose(1, 2)), a_t).to(ys.dtype))
     elif a_t.shape[1] == 1:  # rank 1: x.b as a batched GEMV, then one broadcast multiply-add, no (M, n, in) product

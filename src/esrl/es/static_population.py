@@ -7,19 +7,22 @@ device buffers per chunk size M (one size per run, or a few when the number of p
 `load(members)` refills them in place with the chunk's factors or weights, and entering `population(row_member)`
 switches the hooks on for one population-batched generate. Rows must be member-major (ES pads a short last
 chunk on engines with static shapes, so chunks keep one size), so each hook is one grouped op per perturbed
-layer and step, with no per-row gather and no host sync. Subclasses (one per noise mode) name the hooked modules, fill the buffers and apply
-them. Plain torch.
+layer and step, with no per-row gather and no host sync; linears that read one input (q, k and v) take their terms
+in one launch after the last of them, where the model allows it (esrl.es.shared_inputs). Subclasses (one per noise
+mode) name the hooked modules and fill the buffers. Plain torch.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Iterator, Sequence
 
 import torch
 
+from esrl.es.lowrank_kernel import MAX_LINEARS, lowrank_add_linears_
 from esrl.es.noise import Member, NoiseSpec
 from esrl.es.params import ParamSelection
+from esrl.es.shared_inputs import late_runs
 
 
 class StaticPopulation:
@@ -29,7 +32,12 @@ class StaticPopulation:
         self.members = 0  # M of the loaded chunk
         self._buffers: dict[str, tuple[torch.Tensor, ...]] = {}  # the loaded chunk size's buffers
         self._sizes: dict[int, dict[str, tuple[torch.Tensor, ...]]] = {}  # M -> its buffers, kept for the run
-        self._handles = [module.register_forward_hook(self._hook(key)) for key, module in self._targets()]
+        targets = self._targets()
+        with self._decoding():
+            self.runs = late_runs(model, targets, MAX_LINEARS)  # keys whose terms one launch adds, after the last
+        run_of = {key: run for run in self.runs for key in run}
+        self._pending: dict[str, torch.Tensor] = {}  # outputs of a run's first modules, until its last one
+        self._handles = [module.register_forward_hook(self._hook(key, run_of.get(key))) for key, module in targets]
 
     # -- what a mode provides ----------------------------------------------------------------------------------
     def _targets(self) -> list[tuple[str, torch.nn.Module]]:
@@ -46,9 +54,9 @@ class StaticPopulation:
         what a recorded decode step reads."""
         raise NotImplementedError
 
-    def _apply(self, buffers: tuple[torch.Tensor, ...], x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """The hooked module's output for member-major rows (x viewed as (M, rows/M * seq, in))."""
-        raise NotImplementedError
+    def _decoding(self):
+        """A context the model decodes a population in, besides the hooks (lora: PEFT's own adapter path off)."""
+        return nullcontext()
 
     # -- the frame ------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -73,15 +81,28 @@ class StaticPopulation:
             raise ValueError(f"a static population needs member-major rows over its {m} loaded members")
         self.active = True
         try:
-            yield
+            with self._decoding():
+                yield
         finally:
             self.active = False
+            self._pending.clear()
 
-    def _hook(self, key: str):
+    def _hook(self, key: str, run: tuple[str, ...] | None):
+        """Adds the rows' member terms to the module's output in place: at once, or, for a run of modules reading one
+        input, all of the run's after its last module."""
+
         def hook(module, args, out):
             if not self.active:
                 return None
-            return self._apply(self._buffers[key], args[0], out)
+            if run is not None and key != run[-1]:
+                self._pending[key] = out
+                return None
+            keys = run or (key,)
+            outs = [self._pending.pop(k) for k in keys[:-1]] + [out]
+            m = self.members
+            x = args[0].reshape(m, -1, args[0].shape[-1])
+            lowrank_add_linears_([(y.view(m, -1, y.shape[-1]), *self._buffers[k]) for k, y in zip(keys, outs)], x)
+            return out
 
         return hook
 

@@ -34,7 +34,6 @@ from typing import Iterator, Sequence
 import torch
 
 from esrl.errors import ConfigError, require
-from esrl.es.lowrank_kernel import lowrank_add_
 from esrl.es.modes.base import Adapter, NoiseMode
 from esrl.es.noise import (gaussian_gradient, gaussian_gradients, gaussian_groups, gaussian_stack, generator_on,
                            member_weights, noise_groups, tensor_scale)
@@ -319,22 +318,15 @@ class StaticLora(StaticPopulation):
         write_member_adapters(self.model, self.selection, self.spec, members, self._slots[len(members)])
 
     @contextmanager
-    def population(self, row_member: torch.Tensor) -> Iterator[None]:
+    def _decoding(self) -> Iterator[None]:
         switched = [layer for _, layer in self._layers() if not layer.disable_adapters]
         for layer in switched:
             layer.enable_adapters(False)
         try:
-            with super().population(row_member):
-                yield
+            yield
         finally:
             for layer in switched:
                 layer.enable_adapters(True)
-
-    def _apply(self, buffers, x, out):
-        a_t, b_t = buffers
-        m = a_t.shape[0]
-        lowrank_add_(out.view(m, -1, out.shape[-1]), x.reshape(m, -1, x.shape[-1]), a_t, b_t)
-        return out
 
 
 def save_final(policy: torch.nn.Module, tokenizer, out: str | Path) -> Path:

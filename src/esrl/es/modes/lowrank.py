@@ -178,12 +178,6 @@ class StaticLowRank(StaticPopulation):
             scaled_factor(a, signs, scales, self.spec.rank, out=a_t.permute(1, 0, 3, 2))
             b_t.permute(1, 0, 3, 2).copy_(b)
 
-    def _apply(self, buffers, x, out):
-        a_t, b_t = buffers
-        m = a_t.shape[0]
-        lowrank_add_(out.view(m, -1, out.shape[-1]), x.reshape(m, -1, x.shape[-1]), a_t, b_t)
-        return out
-
 
 def _member_factors(members: Sequence[Member], j: int, p: torch.Tensor, spec: NoiseSpec,
                     generator: torch.Generator | None, out: Sequence[torch.Tensor] | None = None

@@ -1,0 +1,57 @@
+"""esrl.es.shared_inputs: which perturbed linears may take their member terms in one launch after the last of them.
+
+The answer is checked on the model by a probe forward, not assumed per architecture, because deferring a term is
+only exact where nothing reads the early outputs before the last linear runs. Real transformers models with random
+weights: Llama and Qwen2 (q, k and v read x, rotary follows all three: one run a layer), an MLP's gate and up (act_fn
+reads gate before up_proj runs: refused), Qwen3 (q_norm reads q before k_proj runs: refused).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def _linears(model) -> list[tuple[str, torch.nn.Module]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in name]
+
+
+def _random(arch: str):
+    import transformers
+
+    config = getattr(transformers, f"{arch}Config")(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                                    num_hidden_layers=2, num_attention_heads=4,
+                                                    num_key_value_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    return getattr(transformers, f"{arch}ForCausalLM")(config).eval()
+
+
+ATTENTION = ("q_proj", "k_proj", "v_proj")
+
+
+@pytest.mark.parametrize("arch,runs", [("Llama", [ATTENTION]), ("Qwen2", [ATTENTION]), ("Qwen3", [])])
+def test_the_probe_keeps_q_k_v_where_nothing_reads_them_early(arch, runs):
+    from esrl.es.shared_inputs import late_runs
+
+    model = _random(arch)
+    want = [tuple(f"model.layers.{i}.self_attn.{name}" for name in run) for i in range(2) for run in runs]
+    assert late_runs(model, _linears(model), most=3) == want
+
+
+def test_runs_are_cut_at_the_launch_size_and_checked_as_cut():
+    """With at most two linears a launch, q and k form the run (v then reads the same x alone)."""
+    from esrl.es.shared_inputs import late_runs
+
+    model = _random("Llama")
+    assert late_runs(model, _linears(model), most=2) == [
+        (f"model.layers.{i}.self_attn.q_proj", f"model.layers.{i}.self_attn.k_proj") for i in range(2)]
+
+
+def test_candidates_include_gate_and_up_which_the_check_refuses():
+    """The recorded calls do pair gate_proj with up_proj (one input): only the late-terms check drops them."""
+    from esrl.es.shared_inputs import _shared_input_runs
+
+    model = _random("Llama")
+    runs = _shared_input_runs(model, _linears(model), 3)
+    assert ("model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj") in runs
+    assert tuple(f"model.layers.0.self_attn.{name}" for name in ATTENTION) in runs
