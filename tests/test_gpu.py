@@ -168,6 +168,27 @@ def test_lowrank_kernel_equals_the_fp32_product(rank, factor_dtype):
     assert ((got.double() - want).abs() <= want.abs() * 2 ** -8 + scale * 2 ** -16).all()
 
 
+@pytest.mark.parametrize("rank", [1, 8])
+def test_q_k_v_in_one_launch_equal_one_launch_each(rank):
+    """lowrank_add_linears_: q, k and v's terms in one launch (the grid picks the linear; esrl.es.shared_inputs says
+    when a model allows it) are the one-launch-per-linear kernel's, bit for bit. Shapes as Qwen2.5-1.5B's."""
+    from esrl.es.lowrank_kernel import lowrank_add_, lowrank_add_linears_
+
+    torch.manual_seed(rank)
+    m, n, n_in = 30, 8, 1536
+    xs = torch.randn(m, n, n_in, device="cuda").bfloat16()
+    terms = [(torch.randn(m, n, n_out, device="cuda").bfloat16(),
+              (torch.randn(m, rank, n_out, device="cuda") * 0.1).bfloat16(),
+              (torch.randn(m, rank, n_in, device="cuda") * 0.1).bfloat16()) for n_out in (1536, 256, 256)]
+    one_each = [ys.clone() for ys, _, _ in terms]
+    for ys, (_, a_t, b_t) in zip(one_each, terms):
+        lowrank_add_(ys, xs, a_t, b_t)
+    together = [ys.clone() for ys, _, _ in terms]
+    lowrank_add_linears_([(ys, a_t, b_t) for ys, (_, a_t, b_t) in zip(together, terms)], xs)
+    for (ys, _, _), want, got in zip(terms, one_each, together):
+        assert torch.equal(got, want) and not torch.equal(got, ys)
+
+
 def test_a_group_of_matrices_drawn_in_one_launch_equals_each_drawn_alone():
     """A load and an update draw a group of same-shape matrices' factors (lora: adapter noise) in one launch
     (esrl.es.noise.factor_groups, gaussian_groups); each matrix must get the numbers it gets drawn alone (the

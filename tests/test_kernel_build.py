@@ -56,11 +56,13 @@ CASES = [(1, "bfloat16", "bfloat16", 1), (2, "bfloat16", "bfloat16", 1), (8, "bf
          (1, "bfloat16", "bfloat16", 3), (8, "bfloat16", "bfloat16", 3), (8, "bfloat16", "bfloat16", 2)]
 
 
-def lowrank_signature(dtype: str, factor_dtype: str) -> dict:
+def lowrank_signature(dtype: str, factor_dtype: str, linears: int) -> tuple[dict, dict]:
+    """The kernel's argument types for `linears` linears, and the unused slots as the None constants it gets."""
     types = {"ys": POINTER[dtype], "bt": POINTER[factor_dtype], "at": POINTER[factor_dtype], "n_out": "i32",
              "ys_stride": "i32"}
-    return {"xs_ptr": POINTER[dtype], "rows_per_member": "i32", "n_in": "i32", "xs_stride": "i32", "blocks": "i32",
-            **{f"{name}{i}": types[name] for i in range(3) for name in PER_LINEAR}}
+    signature = {"xs_ptr": POINTER[dtype], "rows_per_member": "i32", "n_in": "i32", "xs_stride": "i32", "blocks": "i32",
+                 **{f"{name}{i}": types[name] for i in range(linears) for name in PER_LINEAR}}
+    return signature, {f"{name}{i}": None for i in range(linears, 3) for name in PER_LINEAR}
 
 
 @pytest.mark.parametrize("arch", [80, 90])
@@ -69,7 +71,8 @@ def test_the_lowrank_kernel_builds_for_the_gpus_users_run(rank, dtype, factor_dt
     from esrl.es.lowrank_kernel import launch_plan
 
     fn, _, consts, options = launch_plan(rank, rows_per_member=8, n_outs=(8960, 256, 256)[:linears])
-    kernel, report = _build(fn, lowrank_signature(dtype, factor_dtype), consts, options, arch)
+    signature, unused = lowrank_signature(dtype, factor_dtype, linears)
+    kernel, report = _build(fn, signature, {**consts, **unused}, options, arch)
     assert kernel.metadata.shared <= SHARED_LIMIT[arch], (kernel.metadata.shared, consts)
     if dtype == "bfloat16":
         assert _spilled_bytes(report) == 0, report

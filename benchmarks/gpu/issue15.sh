@@ -9,7 +9,8 @@
 # sbs: the same rows side by side in ONE process (es_throughput.py --rounds), so their ratios share the machine's state.
 # tiles: benchmarks/gpu/lowrank_tiles.py (the member-term kernel's block sizes, per 1.5B projection, rank 1 and 8).
 # kernel: the same, launch_plan's blocks only, side by side: A and ys loaded before or after the products
-# (EARLY_LOADS, session 19), and lora's rank-8 factors in bf16 (its buffers since session 19) or fp32 (before).
+# (EARLY_LOADS, session 19), lora's rank-8 factors in bf16 (its buffers since session 19) or fp32 (before), and q, k
+# and v's terms in one launch or three (session 20: `one_over_three`, `ms_saved_per_step`).
 # host: benchmarks/es_host_work.py (a chunk's load and the update, with and without reusing the load's draws).
 # prefill: benchmarks/prefill_head.py (a frozen lm_head on the prompts' last positions, by slice or by index).
 # determinism: floor and lowrank, recorded and eager, with esrl's repeatable attention and with any kernel.
@@ -36,8 +37,8 @@ if has tests; then
   timeout 240 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | quiet | tee "$OUT/gpu_tests.log" | tail -15
 fi
 if has kernel; then
-  timeout 120 python3 benchmarks/gpu/lowrank_tiles.py --ranks 1,8 --factor-dtypes bfloat16,float32 --default-only 2>&1 \
-    | quiet | tee "$OUT/lowrank_kernel.jsonl" | grep -E '"best"|Error'
+  timeout 180 python3 benchmarks/gpu/lowrank_tiles.py --ranks 1,8 --factor-dtypes bfloat16,float32 --default-only 2>&1 \
+    | quiet | tee "$OUT/lowrank_kernel.jsonl" | grep -E '"best"|"qkv"|Error'
 fi
 if has tiles; then  # block sizes of the member-term kernel: each candidate timed per projection, the best beside the default
   timeout 300 python3 benchmarks/gpu/lowrank_tiles.py ${TILES_ARGS:-} 2>&1 | quiet | tee "$OUT/lowrank_tiles.jsonl" | grep -E '"best"|Error'

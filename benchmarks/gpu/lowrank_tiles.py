@@ -59,6 +59,25 @@ def inputs(members: int, rows: int, n_in: int, n_out: int, rank: int, factor_dty
             (randn(members, rank, n_out) * 0.1).to(factor_dtype), (randn(members, rank, n_in) * 0.1).to(factor_dtype))
 
 
+def one_launch_for_qkv(rank: int, factor_dtype, members: int, rows: int, phase: str, reps: int) -> dict:
+    """q, k and v's member terms: one launch each against one launch for the three (same xs)."""
+    from esrl.es.lowrank_kernel import lowrank_add_, lowrank_add_linears_
+
+    terms = [inputs(members, rows, SHAPES[name][0], SHAPES[name][1], rank, factor_dtype) for name in "qkv"]
+    xs = terms[0][1]
+    three = lambda ys: [lowrank_add_(y, xs, a_t, b_t) for y, (_, _, a_t, b_t) in zip(ys, terms)]
+    one = lambda ys: lowrank_add_linears_([(y, a_t, b_t) for y, (_, _, a_t, b_t) in zip(ys, terms)], xs)
+    got3, got1 = [t[0].clone() for t in terms], [t[0].clone() for t in terms]
+    three(got3)
+    one(got1)
+    ys = [t[0] for t in terms]
+    us3, us1 = time_us(lambda: three(ys), reps), time_us(lambda: one(ys), reps)
+    return {"rank": rank, "factors": str(factor_dtype), "phase": phase, "qkv": "one launch vs three",
+            "bit_equal": all(torch.equal(a, b) for a, b in zip(got1, got3)), "us_three_launches": round(us3, 2),
+            "us_one_launch": round(us1, 2), "one_over_three": round(us1 / us3, 3),
+            "ms_saved_per_step": round((us3 - us1) * LAYERS / 1000, 3)}
+
+
 def main() -> None:
     from esrl.es.lowrank_kernel import lowrank_add_
 
@@ -108,6 +127,8 @@ def main() -> None:
             print(json.dumps({"best": best, "default_ms_all_linears": default,
                               "default_over_best": default and round(default / best["ms_all_linears"], 3),
                               "early_over_late_loads": default and late and round(default / late, 3)}), flush=True)
+            reps = args.reps if phase == "decode" else max(3, args.reps // 10)
+            print(json.dumps(one_launch_for_qkv(rank, factor_dtype, args.members, rows, phase, reps)), flush=True)
 
 
 if __name__ == "__main__":
