@@ -2,8 +2,8 @@
 
 The answer is checked on the model by a probe forward, not assumed per architecture, because deferring a term is
 only exact where nothing reads the early outputs before the last linear runs. Real transformers models with random
-weights: Llama and Qwen2 (q, k and v read x, rotary follows all three: one run a layer), an MLP's gate and up (act_fn
-reads gate before up_proj runs: refused), Qwen3 (q_norm reads q before k_proj runs: refused).
+weights: Llama, Qwen2 and Mistral (q, k and v read x, rotary follows all three: one run a layer), an MLP's gate and
+up (act_fn reads gate before up_proj runs: refused), Qwen3 (q_norm reads q before k_proj runs: refused).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ def _random(arch: str):
 ATTENTION = ("q_proj", "k_proj", "v_proj")
 
 
-@pytest.mark.parametrize("arch,runs", [("Llama", [ATTENTION]), ("Qwen2", [ATTENTION]), ("Qwen3", [])])
+@pytest.mark.parametrize("arch,runs", [("Llama", [ATTENTION]), ("Qwen2", [ATTENTION]), ("Mistral", [ATTENTION]),
+                                      ("Qwen3", [])])
 def test_the_probe_keeps_q_k_v_where_nothing_reads_them_early(arch, runs):
     from esrl.es.shared_inputs import late_runs
 
