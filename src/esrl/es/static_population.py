@@ -26,6 +26,12 @@ from esrl.es.shared_inputs import late_runs
 
 
 class StaticPopulation:
+    share_launches: bool | None = None
+    """Add the terms of linears that read one input (q, k and v) in one call after the last: None = on a GPU only,
+    where it saves kernel launches. On a CPU the torch ops are the same either way, and adding q's term after k and
+    v ran made SmolLM2's lowrank forward slower (q's output out of cache; RESULTS, session 20); the CPU tests turn it
+    on to check the GPU's bookkeeping."""
+
     def __init__(self, model: torch.nn.Module, selection: ParamSelection, spec: NoiseSpec):
         self.model, self.selection, self.spec = model, selection, spec
         self.active = False
@@ -33,8 +39,13 @@ class StaticPopulation:
         self._buffers: dict[str, tuple[torch.Tensor, ...]] = {}  # the loaded chunk size's buffers
         self._sizes: dict[int, dict[str, tuple[torch.Tensor, ...]]] = {}  # M -> its buffers, kept for the run
         targets = self._targets()
-        with self._decoding():
-            self.runs = late_runs(model, targets, MAX_LINEARS)  # keys whose terms one launch adds, after the last
+        share = self.share_launches
+        if share is None:
+            share = next(model.parameters()).is_cuda
+        self.runs = []  # keys whose terms one launch adds, after the last
+        if share:
+            with self._decoding():
+                self.runs = late_runs(model, targets, MAX_LINEARS)
         run_of = {key: run for run in self.runs for key in run}
         self._pending: dict[str, torch.Tensor] = {}  # outputs of a run's first modules, until its last one
         self._handles = [module.register_forward_hook(self._hook(key, run_of.get(key))) for key, module in targets]
