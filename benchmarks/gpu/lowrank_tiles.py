@@ -94,6 +94,7 @@ def main() -> None:
     dtypes = [getattr(torch, name) for name in args.factor_dtypes.split(",")]
     for rank, factor_dtype in itertools.product(map(int, args.ranks.split(",")), dtypes):
         for phase, rows in (("decode", args.rows), ("prefill", args.rows * args.prompt)):
+            reps = args.reps if phase == "decode" else max(3, args.reps // 10)
             results = []
             for tiles in [None, LATE_LOADS] + ([] if args.default_only else CONFIGS):
                 total, per_shape, ok = 0.0, {}, True
@@ -109,7 +110,6 @@ def main() -> None:
                         ok = f"{type(e).__name__}: {str(e)[:80]}"
                         break
                     ok = ok and bool(((got.double() - want).abs() <= want.abs() * TOLERANCE + scale * FP32_SLACK).all())
-                    reps = args.reps if phase == "decode" else max(3, args.reps // 10)
                     per_shape[name] = round(time_us(lambda: lowrank_add_(ys, xs, a_t, b_t, tiles), reps), 2)
                     total += per_shape[name] * LAYERS
                 row = {"rank": rank, "factors": str(factor_dtype), "phase": phase, "tiles": tiles or "default",
@@ -127,7 +127,6 @@ def main() -> None:
             print(json.dumps({"best": best, "default_ms_all_linears": default,
                               "default_over_best": default and round(default / best["ms_all_linears"], 3),
                               "early_over_late_loads": default and late and round(default / late, 3)}), flush=True)
-            reps = args.reps if phase == "decode" else max(3, args.reps // 10)
             print(json.dumps(one_launch_for_qkv(rank, factor_dtype, args.members, rows, phase, reps)), flush=True)
 
 

@@ -139,8 +139,9 @@ def lowrank_add_linears_(terms: list[tuple[torch.Tensor, torch.Tensor, torch.Ten
             kernel, grid, consts, options = launch_plan(part[0][1].shape[1], n, n_outs, tiles)
             # unused slots: None (a compile-time constant), not a used tensor again: under torch.compile an aliased
             # argument that Inductor takes as mutated could be copied back over the kernel's result
-            per_linear = [v for ys, a_t, b_t in part for v in (ys, b_t, a_t, ys.shape[-1], ys.shape[-1])]
-            per_linear += [None] * (len(per_linear) // len(part) * (MAX_LINEARS - len(part)))
+            slots = [(ys, b_t, a_t, ys.shape[-1], ys.shape[-1]) for ys, a_t, b_t in part]
+            slots += [(None,) * len(slots[0])] * (MAX_LINEARS - len(part))
+            per_linear = [v for slot in slots for v in slot]
             blocks = grid(1)[1] // len(part)  # of outputs per linear
             kernel[grid(m)](xs, n, xs.shape[-1], xs.stride(0), blocks, *per_linear, **consts, **options)
         return

@@ -62,14 +62,13 @@ def _shared_input_runs(model, targets, most: int) -> list[tuple]:
             handle = module.register_forward_hook(lambda m, args, out, key=key: calls.append((key, args[0])))
             stack.callback(handle.remove)
         model(input_ids=_probe_ids(model))
-    runs, current = [], [calls[0]] if calls else []
-    for call in calls[1:]:
-        if call[1] is current[-1][1] and len(current) < most and call[0] not in {k for k, _ in current}:
-            current.append(call)
-            continue
-        runs.append(current)
-        current = [call]
-    runs.append(current)
+    runs: list[list[tuple[str, torch.Tensor]]] = []
+    for key, x in calls:
+        run = runs[-1] if runs else []
+        if run and x is run[-1][1] and len(run) < most and key not in {k for k, _ in run}:
+            run.append((key, x))
+        else:
+            runs.append([(key, x)])
     return [tuple(k for k, _ in run) for run in runs if len(run) > 1]
 
 
