@@ -169,6 +169,29 @@ def test_lowrank_kernel_equals_the_fp32_product(rank, factor_dtype):
 
 
 @pytest.mark.parametrize("rank", [1, 8])
+def test_a_prefills_rows_take_the_torch_ops_repeatably_within_two_roundings(rank):
+    """Above KERNEL_ROWS rows per member (a prefill) the terms are batched GEMMs: x.B is rounded to bf16 before the
+    add (one rounding more than the kernel's), and cuBLAS repeats bit for bit for the same shapes."""
+    from esrl.es.lowrank_kernel import KERNEL_ROWS, _torch_add_, lowrank_add_
+
+    torch.manual_seed(rank)
+    m, n, n_in, n_out = 6, KERNEL_ROWS + 1, 1536, 8960
+    ys = torch.randn(m, n, n_out, device="cuda").bfloat16()
+    xs = torch.randn(m, n, n_in, device="cuda").bfloat16()
+    a_t = (torch.randn(m, rank, n_out, device="cuda") * 0.1).bfloat16()
+    b_t = (torch.randn(m, rank, n_in, device="cuda") * 0.1).bfloat16()
+    got, again, torch_ops = ys.clone(), ys.clone(), ys.clone()
+    lowrank_add_(got, xs, a_t, b_t)
+    lowrank_add_(again, xs, a_t, b_t)
+    _torch_add_(torch_ops, xs, a_t, b_t)
+    assert torch.equal(got, again) and torch.equal(got, torch_ops)
+    want = ys.double() + torch.bmm(torch.bmm(xs.double(), b_t.double().transpose(1, 2)), a_t.double())
+    scale = ys.double().abs() + torch.bmm(torch.bmm(xs.double().abs(), b_t.double().abs().transpose(1, 2)),
+                                          a_t.double().abs())
+    assert ((got.double() - want).abs() <= (want.abs() + scale) * 2 ** -8).all()
+
+
+@pytest.mark.parametrize("rank", [1, 8])
 def test_q_k_v_in_one_launch_equal_one_launch_each(rank):
     """lowrank_add_linears_: q, k and v's terms in one launch (the grid picks the linear; esrl.es.shared_inputs says
     when a model allows it) are the one-launch-per-linear kernel's, bit for bit. Shapes as Qwen2.5-1.5B's."""

@@ -2,8 +2,8 @@
 
 On a GPU the kernel adds every row's member term in lowrank and lora decoding; tests/test_gpu.py checks it there. Here
 the same kernel source runs in Triton's interpreter, in a child process (the variable must be set before Triton is
-imported): its sums must lie within one rounding of the fp64 answer (the interpreter's bf16 rounding truncates), repeat bit for bit, and agree with the torch
-path that CPU runs use. Masks are exercised: n_in and n_out are not multiples of the kernel's blocks, and rank 3
+imported): its sums must lie within one rounding of the fp64 answer (the interpreter's bf16 rounding truncates),
+repeat bit for bit, and agree with the torch path that CPU runs use. Masks are exercised: n_in and n_out are not multiples of the kernel's blocks, and rank 3
 pads to 4. This checks the math, not the speed (benchmarks/gpu/).
 """
 
@@ -101,3 +101,34 @@ def test_one_launch_for_linears_sharing_an_input_equals_one_launch_each(tmp_path
     one_by_one, together = torch.load(tmp_path / "out.pt")
     for (ys, _, _), want, got in zip(terms, one_by_one, together):
         assert torch.equal(got, want) and not torch.equal(got, ys), ys.shape
+
+
+DISPATCH_CHILD = """
+import sys, torch
+from esrl.es.lowrank_kernel import KERNEL_ROWS, _torch_add_, lowrank_add_
+out = {}
+for n in (KERNEL_ROWS, KERNEL_ROWS + 1):
+    g = torch.Generator().manual_seed(n)
+    randn = lambda *shape: torch.randn(*shape, generator=g)
+    ys, xs, a_t, b_t = randn(2, n, 70).bfloat16(), randn(2, n, 50).bfloat16(), randn(2, 1, 70), randn(2, 1, 50)
+    a_t, b_t = (a_t * 0.1).bfloat16(), (b_t * 0.1).bfloat16()
+    got, kernel, torch_ops = ys.clone(), ys.clone(), ys.clone()
+    lowrank_add_(got, xs, a_t, b_t)
+    lowrank_add_(kernel, xs, a_t, b_t, tiles={})  # block sizes given: the kernel at any n
+    _torch_add_(torch_ops, xs, a_t, b_t)
+    out[n] = (torch.equal(got, kernel), torch.equal(got, torch_ops), torch.equal(kernel, torch_ops))
+print(repr(out))
+"""
+
+
+def test_the_kernel_adds_up_to_kernel_rows_per_member_and_the_torch_ops_beyond():
+    """A decode step's rows (one a prompt, up to KERNEL_ROWS a member) take the kernel; a prefill's (prompts x
+    tokens) the batched GEMMs, which read a member's factors once instead of once a row. The two round differently
+    (the torch ops round x.B to bf16 first), so the result says which ran."""
+    from esrl.es.lowrank_kernel import KERNEL_ROWS
+
+    done = subprocess.run([sys.executable, "-c", DISPATCH_CHILD], env={**os.environ, "TRITON_INTERPRET": "1"},
+                          check=True, timeout=300, capture_output=True, text=True)
+    out = eval(done.stdout.strip().splitlines()[-1])
+    assert out[KERNEL_ROWS] == (True, False, False), out  # the kernel
+    assert out[KERNEL_ROWS + 1] == (False, True, False), out  # the torch ops

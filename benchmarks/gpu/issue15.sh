@@ -10,7 +10,8 @@
 # tiles: benchmarks/gpu/lowrank_tiles.py (the member-term kernel's block sizes, per 1.5B projection, rank 1 and 8).
 # kernel: the same, launch_plan's blocks only, side by side: A and ys loaded before or after the products
 # (EARLY_LOADS, session 19), lora's rank-8 factors in bf16 (its buffers since session 19) or fp32 (before), and q, k
-# and v's terms in one launch or three (session 20: `one_over_three`, `ms_saved_per_step`).
+# and v's terms in one launch or three (session 20: `one_over_three`, `ms_saved_per_step`), and the torch ops against
+# the kernel at decode and prefill (session 21: `torch_over_kernel`; esrl takes the torch ops above KERNEL_ROWS).
 # host: benchmarks/es_host_work.py (a chunk's load and the update, with and without reusing the load's draws).
 # prefill: benchmarks/prefill_head.py (a frozen lm_head on the prompts' last positions, by slice or by index).
 # determinism: floor and lowrank, recorded and eager, with esrl's repeatable attention and with any kernel.
@@ -37,7 +38,7 @@ if has tests; then
   timeout 240 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | quiet | tee "$OUT/gpu_tests.log" | tail -15
 fi
 if has kernel; then
-  timeout 180 python3 benchmarks/gpu/lowrank_tiles.py --ranks 1,8 --factor-dtypes bfloat16,float32 --default-only 2>&1 \
+  timeout 240 python3 benchmarks/gpu/lowrank_tiles.py --ranks 1,8 --factor-dtypes bfloat16,float32 --default-only 2>&1 \
     | quiet | tee "$OUT/lowrank_kernel.jsonl" | grep -E '"best"|"qkv"|Error'
 fi
 if has tiles; then  # block sizes of the member-term kernel: each candidate timed per projection, the best beside the default

@@ -5,9 +5,11 @@ at rank 1, lora at rank 8, with factors in the model's dtype (bf16; `--factor-dt
 fp32 adapters beside them, as the kernel read them until session 19). This times each candidate `tiles` (overrides)
 on Qwen2.5-1.5B's seven projection shapes at decode (30 members x 8 rows) and prefill (x 64 tokens), checks each result
 within one bf16 rounding of the fp64 sum (plus fp32's error in long sums), and prints one JSON line per (rank, phase,
-config; the first two: launch_plan's default and the same with EARLY_LOADS off) with GPU microseconds per call and
-the sum over the model's 196 perturbed linears (28 layers x the 7 shapes: one decode step, or one prefill), then the
-best config per rank and phase beside the default, and the default's time over EARLY_LOADS off's.
+config; the first three: launch_plan's default, the same with EARLY_LOADS off, and the torch ops instead of the
+kernel) with GPU microseconds per call and the sum over the model's 196 perturbed linears (28 layers x the 7 shapes:
+one decode step, or one prefill), then the best config per rank and phase beside the default, the default's time
+over EARLY_LOADS off's, the torch ops' over the kernel's (`torch_over_kernel`: which one esrl should take at decode
+and at prefill, `KERNEL_ROWS`) and which esrl takes.
 
     PYTHONPATH=src python3 benchmarks/gpu/lowrank_tiles.py [--ranks 1,8] [--factor-dtypes bfloat16] [--reps 50]
                                                            [--default-only]
@@ -30,7 +32,9 @@ SHAPES = {"q": (1536, 1536), "k": (1536, 256), "v": (1536, 256), "o": (1536, 153
           "up": (1536, 8960), "down": (8960, 1536)}  # name: (in, out), Qwen2.5-1.5B
 CONFIGS = [dict(BLOCK_IN=i, BLOCK_OUT=o, num_warps=w)
            for i, o, w in itertools.product([256, 512, 1024, 2048], [512, 1024, 4096], [4, 8])]
+KERNEL = {}  # launch_plan's block sizes (given, the kernel runs at any rows per member)
 LATE_LOADS = dict(EARLY_LOADS=False)  # the default block sizes, A and ys loaded after the products (before session 19)
+TORCH = "torch"  # the torch ops (batched GEMMs) instead of the kernel: what a prefill takes above KERNEL_ROWS
 
 
 def time_us(fn, reps: int) -> float:
@@ -79,7 +83,7 @@ def one_launch_for_qkv(rank: int, factor_dtype, members: int, rows: int, phase: 
 
 
 def main() -> None:
-    from esrl.es.lowrank_kernel import lowrank_add_
+    from esrl.es.lowrank_kernel import KERNEL_ROWS, _torch_add_, lowrank_add_
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", default="1,8")
@@ -96,7 +100,8 @@ def main() -> None:
         for phase, rows in (("decode", args.rows), ("prefill", args.rows * args.prompt)):
             reps = args.reps if phase == "decode" else max(3, args.reps // 10)
             results = []
-            for tiles in [None, LATE_LOADS] + ([] if args.default_only else CONFIGS):
+            for tiles in [KERNEL, LATE_LOADS, TORCH] + ([] if args.default_only else CONFIGS):
+                add = (lambda *t: _torch_add_(*t)) if tiles is TORCH else (lambda *t: lowrank_add_(*t, tiles))
                 total, per_shape, ok = 0.0, {}, True
                 for name, (n_in, n_out) in SHAPES.items():
                     ys, xs, a_t, b_t = inputs(args.members, rows, n_in, n_out, rank, factor_dtype)
@@ -105,14 +110,16 @@ def main() -> None:
                         xs.double().abs(), b_t.double().abs().transpose(1, 2)), a_t.double().abs())
                     got = ys.clone()
                     try:
-                        lowrank_add_(got, xs, a_t, b_t, tiles)
+                        add(got, xs, a_t, b_t)
                     except Exception as e:  # a config the chip cannot run (shared memory, registers)
                         ok = f"{type(e).__name__}: {str(e)[:80]}"
                         break
-                    ok = ok and bool(((got.double() - want).abs() <= want.abs() * TOLERANCE + scale * FP32_SLACK).all())
-                    per_shape[name] = round(time_us(lambda: lowrank_add_(ys, xs, a_t, b_t, tiles), reps), 2)
+                    # the torch ops round x.B to bf16 before the add: one more rounding, of the term
+                    slack = TOLERANCE if tiles is TORCH else FP32_SLACK
+                    ok = ok and bool(((got.double() - want).abs() <= want.abs() * TOLERANCE + scale * slack).all())
+                    per_shape[name] = round(time_us(lambda: add(ys, xs, a_t, b_t), reps), 2)
                     total += per_shape[name] * LAYERS
-                row = {"rank": rank, "factors": str(factor_dtype), "phase": phase, "tiles": tiles or "default",
+                row = {"rank": rank, "factors": str(factor_dtype), "phase": phase, "tiles": tiles or "kernel",
                        "correct": ok, "us_per_call": per_shape, "ms_all_linears": round(total / 1000, 3)}
                 print(json.dumps(row), flush=True)
                 if ok is True:
@@ -122,12 +129,15 @@ def main() -> None:
                                   "why": "no config was correct"}))
                 continue
             best = min(results, key=lambda r: r["ms_all_linears"])
-            default = next((r["ms_all_linears"] for r in results if r["tiles"] == "default"), None)
-            late = next((r["ms_all_linears"] for r in results if r["tiles"] == LATE_LOADS), None)
-            print(json.dumps({"best": best, "default_ms_all_linears": default,
-                              "default_over_best": default and round(default / best["ms_all_linears"], 3),
-                              "early_over_late_loads": default and late and round(default / late, 3)}), flush=True)
-            print(json.dumps(one_launch_for_qkv(rank, factor_dtype, args.members, rows, phase, reps)), flush=True)
+            ms = lambda tiles: next((r["ms_all_linears"] for r in results if r["tiles"] == (tiles or "kernel")), None)
+            kernel, late, torch_ops = ms(KERNEL), ms(LATE_LOADS), ms(TORCH)
+            print(json.dumps({"best": best, "kernel_ms_all_linears": kernel, "torch_ms_all_linears": torch_ops,
+                              "kernel_over_best": kernel and round(kernel / best["ms_all_linears"], 3),
+                              "early_over_late_loads": kernel and late and round(kernel / late, 3),
+                              "torch_over_kernel": kernel and torch_ops and round(torch_ops / kernel, 3),
+                              "esrl_takes": "kernel" if rows <= KERNEL_ROWS else "torch"}), flush=True)
+            if rows <= KERNEL_ROWS:  # a prefill's rows take the torch ops, one linear at a time
+                print(json.dumps(one_launch_for_qkv(rank, factor_dtype, args.members, rows, phase, reps)), flush=True)
 
 
 if __name__ == "__main__":

@@ -84,6 +84,11 @@ if triton is not None:
 
 MAX_LINEARS = 3
 """Linears one launch takes (q, k and v of an attention layer)."""
+KERNEL_ROWS = 64
+"""Rows per member up to which a GPU adds the terms with the kernel: a decode step's (one a prompt). A prefill's
+(prompts x tokens) take the torch ops: the kernel re-reads a member's factors for every row (from L2), which made a
+1.5B prefill's terms at rank 8 and 64 tokens 87 ms (session 18's tiles), where batched GEMMs read them once a member
+and the outputs once, ~13 ms of memory traffic (an estimate until `issue15.sh kernel` prints torch_over_kernel)."""
 
 
 def launch_plan(rank: int, rows_per_member: int, n_outs: tuple[int, ...], tiles: dict | None = None):
@@ -115,21 +120,22 @@ def row_major(factors: torch.Tensor) -> torch.Tensor:
 def lowrank_add_(ys: torch.Tensor, xs: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor,
                  tiles: dict | None = None) -> None:
     """ys (M, n, out) += (xs (M, n, in) b_t^T) a_t in place, with a_t (M, r, out) and b_t (M, r, in) row-major
-    (`row_major`). `tiles`: block sizes for benchmarks (launch_plan)."""
+    (`row_major`). `tiles`: block sizes for benchmarks (launch_plan); given, the kernel runs at any n."""
     lowrank_add_linears_([(ys, a_t, b_t)], xs, tiles)
 
 
 def lowrank_add_linears_(terms: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], xs: torch.Tensor,
                          tiles: dict | None = None) -> None:
     """lowrank_add_ for linears that read the same xs, each (ys, a_t, b_t) of one rank and dtypes: one kernel launch
-    for up to MAX_LINEARS of them on a GPU (the same sums as one launch each), the torch ops one linear at a time
-    elsewhere."""
+    for up to MAX_LINEARS of them on a GPU (the same sums as one launch each) up to KERNEL_ROWS rows per member, the
+    torch ops one linear at a time elsewhere."""
     if len({(ys.dtype, a_t.dtype, b_t.dtype, a_t.shape[1]) for ys, a_t, b_t in terms}) > 1:  # one kernel build each
         for term in terms:
             lowrank_add_linears_([term], xs, tiles)
         return
-    if triton is not None and (terms[0][0].is_cuda or INTERPRETED) and all(t[0].is_contiguous() for t in terms):
-        m, n = terms[0][0].shape[:2]
+    m, n = terms[0][0].shape[:2]
+    on_kernel = triton is not None and (terms[0][0].is_cuda or INTERPRETED) and (n <= KERNEL_ROWS or tiles is not None)
+    if on_kernel and all(t[0].is_contiguous() for t in terms):
         xs = xs.reshape(m * n, xs.shape[-1])
         if xs.stride(-1) != 1:
             xs = xs.contiguous()
