@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ from esrl.grpo.importance import importance_sampling_ratio, importance_sampling_
 from esrl.grpo.loss import GLOBAL_TOKEN_LOSSES, GRPOLoss
 from esrl.grpo.optim import default_adamw, default_schedule
 from esrl.grpo.reference import FrozenReference
+from esrl.grpo.rollout_batch import RolloutBatch, rollout_tensors
 from esrl.models.loading import load_causal_lm
 from esrl.models.logps import per_token_logps
 from esrl.models.lora import GRPO_FIELDS, is_peft, policy_adapter, wrap_lora
@@ -50,29 +51,6 @@ from esrl.tasks.reward_values import check_bad_rewards
 def sampling_seed(run_seed: int, step: int, micro_batch: int, rank: int) -> int:
     """The seed of one micro-batch's rollouts: from (run seed, optimizer step, micro-batch, rank) alone."""
     return derive_seed("esrl-grpo", run_seed, step, micro_batch, rank)
-
-
-@dataclass
-class RolloutBatch:
-    """One micro-batch of scored completions, as tensors the loss needs (rows: prompt i's G completions
-    contiguous, TRL's layout)."""
-
-    input_ids: torch.Tensor  # [B*G, P+T] left-padded prompt, then right-padded completion
-    attention_mask: torch.Tensor  # [B*G, P+T]
-    completion_mask: torch.Tensor  # [B*G, T] tokens that count in the loss
-    rewards: torch.Tensor  # [B*G]
-    advantages: torch.Tensor  # [B*G]
-    lengths: torch.Tensor  # [B*G] completion tokens
-    truncated: torch.Tensor  # [B*G] bool, hit max_new_tokens
-    old_logps: torch.Tensor | None = None  # [B*G, T], only when num_iterations > 1
-    ref_logps: torch.Tensor | None = None  # [B*G, T], only when beta > 0
-    is_ratio: torch.Tensor | None = None  # [B*G, T] or [B*G, 1], vLLM importance-sampling correction only
-    num_tokens: torch.Tensor | None = None  # loss tokens of this micro-batch on all ranks (dapo, cispo, vespo)
-    is_stats: dict[str, torch.Tensor] = field(default_factory=dict)  # TRL's sampling/* metrics
-
-    @property
-    def completion_width(self) -> int:
-        return self.completion_mask.shape[1]
 
 
 class GRPOModule(PolicyModule):
@@ -245,7 +223,10 @@ class GRPOModule(PolicyModule):
         rewards = self.checked_rewards(torch.tensor(rewards, dtype=torch.float32))
         advantages = group_advantages(rewards, G, self.grpo.scale_rewards)
 
-        rollout = self._to_tensors(prompts, completions, rewards, advantages)
+        rollout = rollout_tensors(self.tokenizer, render_prompts(self.tokenizer, prompts), completions, rewards,
+                                  advantages, self.grpo.mask_truncated_completions, self.device)
+        if self.grpo.loss_type in GLOBAL_TOKEN_LOSSES:  # TRL's num_items_in_batch: loss tokens over all ranks
+            rollout.num_tokens = self.trainer.strategy.reduce(rollout.completion_mask.sum().float(), reduce_op="sum")
         with self.timed("logps"):
             width, temperature = rollout.completion_width, cfg.temperature
             if self.grpo.num_iterations > 1 or self.importance_sampling:  # ratios against the sampling weights
@@ -289,34 +270,6 @@ class GRPOModule(PolicyModule):
         check_bad_rewards(int(total[0]), int(total[1]), step=self.global_step, unit="GRPO samples",
                           sources=self.task.last_bad)
         return rewards
-
-    def _to_tensors(self, prompts, completions: list[Completion], rewards: torch.Tensor,
-                    advantages: torch.Tensor) -> RolloutBatch:
-        """Left-padded prompt ids (as the engine rendered them) + right-padded completion ids."""
-        G = self.grpo.num_generations
-        tok = self.tokenizer
-        enc = tok(render_prompts(tok, prompts), return_tensors="pt", padding=True, add_special_tokens=False)
-        n = len(completions)
-        lengths = torch.tensor([len(c.token_ids) for c in completions])
-        width = max(1, int(lengths.max()))
-        completion_ids = torch.full((n, width), tok.pad_token_id, dtype=torch.long)
-        for i, c in enumerate(completions):
-            completion_ids[i, :len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.long)
-        present = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).long()
-        truncated = torch.tensor([c.truncated for c in completions])
-        loss_mask = present
-        if self.grpo.mask_truncated_completions:
-            loss_mask = present * (~truncated).long().unsqueeze(1)
-        device = self.device
-        num_tokens = None
-        if self.grpo.loss_type in GLOBAL_TOKEN_LOSSES:  # TRL's num_items_in_batch: loss tokens over all ranks
-            local = loss_mask.sum().to(device=device, dtype=torch.float32)
-            num_tokens = self.trainer.strategy.reduce(local, reduce_op="sum")
-        return RolloutBatch(
-            input_ids=torch.cat([enc["input_ids"].repeat_interleave(G, 0), completion_ids], 1).to(device),
-            attention_mask=torch.cat([enc["attention_mask"].repeat_interleave(G, 0), present], 1).to(device),
-            completion_mask=loss_mask.to(device), rewards=rewards, advantages=advantages.to(device),
-            lengths=lengths, truncated=truncated, num_tokens=num_tokens)
 
     # -- logging ---------------------------------------------------------------------------------------------
     def _log_step(self, rollout: RolloutBatch, stats: dict[str, torch.Tensor]) -> None:

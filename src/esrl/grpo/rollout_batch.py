@@ -1,0 +1,58 @@
+"""A GRPO micro-batch as the tensors its loss needs: prompt ids as the engine rendered them, completion ids, masks.
+
+Plain torch: built from the engine's completions and the group advantages; the module adds the reference and old
+log-probs and (dapo, cispo, vespo) the loss tokens counted over every process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from esrl.rollout import Completion
+
+
+@dataclass
+class RolloutBatch:
+    """One micro-batch of scored completions, as tensors the loss needs (rows: prompt i's G completions
+    contiguous, TRL's layout)."""
+
+    input_ids: torch.Tensor  # [B*G, P+T] left-padded prompt, then right-padded completion
+    attention_mask: torch.Tensor  # [B*G, P+T]
+    completion_mask: torch.Tensor  # [B*G, T] tokens that count in the loss
+    rewards: torch.Tensor  # [B*G]
+    advantages: torch.Tensor  # [B*G]
+    lengths: torch.Tensor  # [B*G] completion tokens
+    truncated: torch.Tensor  # [B*G] bool, hit max_new_tokens
+    old_logps: torch.Tensor | None = None  # [B*G, T], only when num_iterations > 1
+    ref_logps: torch.Tensor | None = None  # [B*G, T], only when beta > 0
+    is_ratio: torch.Tensor | None = None  # [B*G, T] or [B*G, 1], vLLM importance-sampling correction only
+    num_tokens: torch.Tensor | None = None  # loss tokens of this micro-batch on all ranks (dapo, cispo, vespo)
+    is_stats: dict[str, torch.Tensor] = field(default_factory=dict)  # TRL's sampling/* metrics
+
+    @property
+    def completion_width(self) -> int:
+        return self.completion_mask.shape[1]
+
+
+def rollout_tensors(tokenizer, rendered_prompts: list[str], completions: list[Completion], rewards: torch.Tensor,
+                    advantages: torch.Tensor, mask_truncated: bool, device: torch.device) -> RolloutBatch:
+    """Left-padded prompt ids (the rendered prompts, tokenized as the engine did) + right-padded completion ids, each
+    prompt's G = len(completions) / len(prompts) completions in a row. `mask_truncated`: a completion that hit
+    max_new_tokens counts no loss tokens (TRL's mask_truncated_completions)."""
+    generations = len(completions) // len(rendered_prompts)
+    enc = tokenizer(rendered_prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    lengths = torch.tensor([len(c.token_ids) for c in completions])
+    width = max(1, int(lengths.max()))
+    completion_ids = torch.full((len(completions), width), tokenizer.pad_token_id, dtype=torch.long)
+    for i, c in enumerate(completions):
+        completion_ids[i, :len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.long)
+    present = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    truncated = torch.tensor([c.truncated for c in completions])
+    loss_mask = present * (~truncated).long().unsqueeze(1) if mask_truncated else present
+    return RolloutBatch(
+        input_ids=torch.cat([enc["input_ids"].repeat_interleave(generations, 0), completion_ids], 1).to(device),
+        attention_mask=torch.cat([enc["attention_mask"].repeat_interleave(generations, 0), present], 1).to(device),
+        completion_mask=loss_mask.to(device), rewards=rewards, advantages=advantages.to(device),
+        lengths=lengths, truncated=truncated)
