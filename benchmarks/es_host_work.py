@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
-from es_throughput import build_model  # noqa: E402  (the same models as the throughput rows)
+from bench_setup import build_model  # noqa: E402  (the same models as the throughput rows)
 
 
 class OpCounts(TorchDispatchMode):

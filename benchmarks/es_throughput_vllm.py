@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from es_throughput import PeakRSS, _cpu_model, timed_generate  # noqa: E402
+from bench_setup import PeakRSS, cpu_model, timed_generate  # noqa: E402
 
 MODES = ("floor", "lowrank", "lora", "full", "floor_lora")
 
@@ -235,7 +235,7 @@ def main() -> None:
         return
     import torch
 
-    machine = {"nproc": os.cpu_count(), "cpu": _cpu_model(), "torch": torch.__version__,
+    machine = {"nproc": os.cpu_count(), "cpu": cpu_model(), "torch": torch.__version__,
                "vllm": _vllm_version(), "python": platform.python_version()}
     print(json.dumps({"machine": machine}))
     print(json.dumps({**summary(run(args), args), **machine}))

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from es_throughput import bench_rows, build_model  # noqa: E402
+from bench_setup import bench_rows, build_model  # noqa: E402
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
-"""esrl.grpo.rollout_batch against TRL 1.16's own construction of a micro-batch (GRPOTrainer._generate_and_score_
-completions): prompts left-padded by the tokenizer, completions right-padded with trl.trainer.utils.pad, and with
-mask_truncated_completions a truncated completion's mask zeroed. Real SmolLM2 tokenizer, chat-rendered prompts."""
+"""esrl.grpo.rollout_batch against TRL 1.16's construction of a micro-batch, written out from
+GRPOTrainer._generate_and_score_completions with TRL's own `pad`: prompts left-padded by the tokenizer, completions
+right-padded, and with mask_truncated_completions the mask of a completion that ends in neither EOS nor pad zeroed.
+Real SmolLM2 tokenizer, chat-rendered prompts."""
 
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ def kernel_table(dec, ids, mask, label: str, top: int = 10) -> float:
 
 
 def main() -> None:
-    from es_throughput import build_model
+    from bench_setup import build_model
 
     from esrl.es import get_mode, lowrank_selection, population, select_params
     from esrl.es.noise import NoiseSpec

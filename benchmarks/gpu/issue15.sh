@@ -74,7 +74,7 @@ if has e2e; then
   python3 - <<'PY'
 import os, torch, sys
 sys.path.insert(0, "benchmarks")
-from es_throughput import QWEN25_15B
+from bench_setup import QWEN25_15B
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from esrl.models import load_tokenizer
 out = "/tmp/qwen15b"

@@ -1,0 +1,43 @@
+"""Every benchmark script imports and parses its command line (`--help`), as litgpt's tests load every config: a
+moved helper or a renamed import breaks a benchmark where no test runs it (most need minutes, or a GPU). One child
+process runs them all, so torch is imported once. This checks that they start, not what they measure."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = sorted(p for p in [*ROOT.glob("benchmarks/*.py"), *ROOT.glob("benchmarks/gpu/*.py")]
+                 if p.name != "bench_setup.py")
+
+CHILD = """
+import contextlib, io, runpy, sys
+failed = []
+for path in sys.argv[1:]:
+    sys.argv = [path, "--help"]
+    sys.path[:0] = [str(__import__("pathlib").Path(path).parent)]
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(path, run_name="__main__")
+        failed.append((path, "no SystemExit from --help"))
+    except SystemExit as e:
+        if e.code not in (0, None) or "usage:" not in out.getvalue():
+            failed.append((path, f"exit {e.code}"))
+    except Exception as e:
+        failed.append((path, f"{type(e).__name__}: {e}"))
+    finally:
+        del sys.path[0]
+print(repr(failed))
+"""
+
+
+def test_every_benchmark_script_starts_and_prints_its_usage():
+    assert len(SCRIPTS) >= 10, SCRIPTS
+    done = subprocess.run([sys.executable, "-c", CHILD, *map(str, SCRIPTS)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    failed = eval(done.stdout.strip().splitlines()[-1])
+    assert not failed, failed
