@@ -199,9 +199,9 @@ def test_fused_step_gives_the_static_steps_tokens_with_and_without_a_population(
     next call."""
     from esrl.es.engines import InPlaceES
     from esrl.es.static_population import StaticPopulation
+    from esrl.rollout.hf import HFEngine as Engine
 
     monkeypatch.setattr(StaticPopulation, "share_launches", True)
-    from esrl.rollout.hf import HFEngine as Engine
 
     model, _, compiled = setup
     fused = Engine(model, compiled.tokenizer, compile="fused", prompt_bucket=16)

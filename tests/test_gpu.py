@@ -162,7 +162,7 @@ def test_lowrank_kernel_equals_the_fp32_product(rank, factor_dtype):
     again = ys.clone()
     lowrank_add_(again, xs, a_t, b_t)
     assert torch.equal(got, again)
-    # one bf16 rounding of the sum, plus fp32's error in sums of 1536 products (where they cancel, the rounding is small)
+    # one bf16 rounding of the sum, plus fp32's error in sums of 1536 products (where they cancel, rounding is small)
     scale = ys.double().abs() + torch.bmm(torch.bmm(xs.double().abs(), b_t.double().abs().transpose(1, 2)),
                                           a_t.double().abs())
     assert ((got.double() - want).abs() <= want.abs() * 2 ** -8 + scale * 2 ** -16).all()

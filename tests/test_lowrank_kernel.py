@@ -3,8 +3,8 @@
 On a GPU the kernel adds every row's member term in lowrank and lora decoding; tests/test_gpu.py checks it there. Here
 the same kernel source runs in Triton's interpreter, in a child process (the variable must be set before Triton is
 imported): its sums must lie within one rounding of the fp64 answer (the interpreter's bf16 rounding truncates),
-repeat bit for bit, and agree with the torch path that CPU runs use. Masks are exercised: n_in and n_out are not multiples of the kernel's blocks, and rank 3
-pads to 4. This checks the math, not the speed (benchmarks/gpu/).
+repeat bit for bit, and agree with the torch path that CPU runs use. Masks are exercised: n_in and n_out are not
+multiples of the kernel's blocks, and rank 3 pads to 4. This checks the math, not the speed (benchmarks/gpu/).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """ES populations on the static decoder (`rollout.compile: on`, run eagerly on the CPU): a chunk through the mode's
 StaticPopulation (hooks installed once, buffers refilled per chunk; lora: PEFT's adapter path switched off and the
 member adapter added on the base Linear, esrl.es.lowrank_kernel's torch path here; q, k and v add their terms in one
-call after v_proj, as on a GPU) gives the eager engine's per-chunk hooks token for token, members differ, and afterwards plain
-generation is the policy's own (adapter back on, the adapter's requires_grad flags unchanged). fp32 tiny Llama. On a
-GPU the same kernel runs as Triton: tests/test_gpu.py.
+call after v_proj, as on a GPU) gives the eager engine's per-chunk hooks token for token, members differ, and
+afterwards plain generation is the policy's own (adapter back on, the adapter's requires_grad flags unchanged).
+fp32 tiny Llama. On a GPU the same kernel runs as Triton: tests/test_gpu.py.
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ def test_static_population_equals_eager_hooks(tiny_model, mode_name, fields, mon
     from esrl.es.engines import InPlaceES
     from esrl.es.setup import build_policy, build_selection
     from esrl.models import load_causal_lm, load_tokenizer
-    from esrl.rollout import HFEngine
-
     from esrl.es.static_population import StaticPopulation
+    from esrl.rollout import HFEngine
 
     monkeypatch.setattr(StaticPopulation, "share_launches", True)  # q, k and v in one call, as on a GPU
     cfg = ESConfig(mode=mode_name, sigma=0.05, **fields)

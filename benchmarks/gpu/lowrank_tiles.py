@@ -101,7 +101,7 @@ def main() -> None:
             reps = args.reps if phase == "decode" else max(3, args.reps // 10)
             results = []
             for tiles in [KERNEL, LATE_LOADS, TORCH] + ([] if args.default_only else CONFIGS):
-                add = (lambda *t: _torch_add_(*t)) if tiles is TORCH else (lambda *t: lowrank_add_(*t, tiles))
+                add = _torch_add_ if tiles is TORCH else (lambda *t: lowrank_add_(*t, tiles))
                 total, per_shape, ok = 0.0, {}, True
                 for name, (n_in, n_out) in SHAPES.items():
                     ys, xs, a_t, b_t = inputs(args.members, rows, n_in, n_out, rank, factor_dtype)
