@@ -107,28 +107,30 @@ DISPATCH_CHILD = """
 import sys, torch
 from esrl.es.lowrank_kernel import KERNEL_ROWS, _torch_add_, lowrank_add_
 out = {}
-for n in (KERNEL_ROWS, KERNEL_ROWS + 1):
+for n, rank in ((KERNEL_ROWS, 2), (KERNEL_ROWS + 1, 2), (KERNEL_ROWS + 1, 1)):
     g = torch.Generator().manual_seed(n)
     randn = lambda *shape: torch.randn(*shape, generator=g)
-    ys, xs, a_t, b_t = randn(2, n, 70).bfloat16(), randn(2, n, 50).bfloat16(), randn(2, 1, 70), randn(2, 1, 50)
+    ys, xs, a_t, b_t = randn(2, n, 70).bfloat16(), randn(2, n, 50).bfloat16(), randn(2, rank, 70), randn(2, rank, 50)
     a_t, b_t = (a_t * 0.1).bfloat16(), (b_t * 0.1).bfloat16()
     got, kernel, torch_ops = ys.clone(), ys.clone(), ys.clone()
     lowrank_add_(got, xs, a_t, b_t)
     lowrank_add_(kernel, xs, a_t, b_t, tiles={})  # block sizes given: the kernel at any n
     _torch_add_(torch_ops, xs, a_t, b_t)
-    out[n] = (torch.equal(got, kernel), torch.equal(got, torch_ops), torch.equal(kernel, torch_ops))
+    out[n, rank] = (torch.equal(got, kernel), torch.equal(got, torch_ops), torch.equal(kernel, torch_ops))
 print(repr(out))
 """
 
 
-def test_the_kernel_adds_up_to_kernel_rows_per_member_and_the_torch_ops_beyond():
+def test_the_kernel_adds_up_to_kernel_rows_per_member_and_the_torch_ops_beyond_except_at_rank_1():
     """A decode step's rows (one a prompt, up to KERNEL_ROWS a member) take the kernel; a prefill's (prompts x
-    tokens) the batched GEMMs, which read a member's factors once instead of once a row. The two round differently
-    (the torch ops round x.B to bf16 first), so the result says which ran."""
+    tokens) the batched GEMMs, which read a member's factors once instead of once a row, except at rank 1, where
+    those reads cost no more than the row's own x and y. The two round differently (the torch ops round x.B to bf16
+    first), so the result says which ran."""
     from esrl.es.lowrank_kernel import KERNEL_ROWS
 
     done = subprocess.run([sys.executable, "-c", DISPATCH_CHILD], env={**os.environ, "TRITON_INTERPRET": "1"},
                           check=True, timeout=300, capture_output=True, text=True)
     out = eval(done.stdout.strip().splitlines()[-1])
-    assert out[KERNEL_ROWS] == (True, False, False), out  # the kernel
-    assert out[KERNEL_ROWS + 1] == (False, True, False), out  # the torch ops
+    assert out[KERNEL_ROWS, 2] == (True, False, False), out  # the kernel
+    assert out[KERNEL_ROWS + 1, 2] == (False, True, False), out  # the torch ops
+    assert out[KERNEL_ROWS + 1, 1] == (True, False, False), out  # rank 1: the kernel

@@ -8,10 +8,10 @@
 # recorded path (the default on CUDA); BENCH2_MODES overrides bench2's modes (e.g. single,full).
 # sbs: the same rows side by side in ONE process (es_throughput.py --rounds), so their ratios share the machine's state.
 # tiles: benchmarks/gpu/lowrank_tiles.py (the member-term kernel's block sizes, per 1.5B projection, rank 1 and 8).
-# kernel: the same, launch_plan's blocks only, side by side: A and ys loaded before or after the products
-# (EARLY_LOADS, session 19), lora's rank-8 factors in bf16 (its buffers since session 19) or fp32 (before), and q, k
-# and v's terms in one launch or three (session 20: `one_over_three`, `ms_saved_per_step`), and the torch ops against
-# the kernel at decode and prefill (session 21: `torch_over_kernel`; esrl takes the torch ops above KERNEL_ROWS).
+# kernel: the same, launch_plan's blocks only, side by side: lora's rank-8 factors in bf16 (its buffers) or fp32, q, k
+# and v's terms in one launch or three (`one_over_three`, `ms_saved_per_step`), and the torch ops against the kernel
+# at decode and prefill (`torch_over_kernel`; above KERNEL_ROWS rows a member, ranks over 1 take the torch ops).
+# TILES_S and SBS_S override the tiles and sbs steps' time limits (seconds).
 # host: benchmarks/es_host_work.py (a chunk's load and the update, with and without reusing the load's draws).
 # prefill: benchmarks/prefill_head.py (a frozen lm_head on the prompts' last positions, by slice or by index).
 # determinism: floor and lowrank, recorded and eager, with esrl's repeatable attention and with any kernel.
@@ -42,7 +42,7 @@ if has kernel; then
     | quiet | tee "$OUT/lowrank_kernel.jsonl" | grep -E '"best"|"qkv"|Error'
 fi
 if has tiles; then  # block sizes of the member-term kernel: each candidate timed per projection, the best beside the default
-  timeout 300 python3 benchmarks/gpu/lowrank_tiles.py ${TILES_ARGS:-} 2>&1 | quiet | tee "$OUT/lowrank_tiles.jsonl" | grep -E '"best"|Error'
+  timeout ${TILES_S:-300} python3 benchmarks/gpu/lowrank_tiles.py ${TILES_ARGS:-} 2>&1 | quiet | tee "$OUT/lowrank_tiles.jsonl" | grep -E '"best"|Error'
 fi
 if has bench1; then
   (cd benchmarks && timeout 60 python3 es_throughput.py $BENCH --modes floor --compile off --repeats 2 2>&1 | grep '^{' | tee "$OUT/bench_eager.jsonl")
@@ -52,7 +52,7 @@ if has bench2; then
   (cd benchmarks && timeout 240 python3 es_throughput.py $BENCH --modes ${BENCH2_MODES:-lora,single,full} --compile on --repeats 2 --full-members 3 2>&1 | tee "$OUT/bench_compiled2.log" | grep '^{')
 fi
 if has sbs; then  # the ratios side by side: floor, lowrank, lora and one member's rows in one process, 3 rounds
-  (cd benchmarks && timeout 400 python3 es_throughput.py $BENCH --modes floor,lowrank,lora,single --compile on --rounds 3 2>&1 | tee "$OUT/bench_sbs.log" | grep '^{')
+  (cd benchmarks && timeout ${SBS_S:-400} python3 es_throughput.py $BENCH --modes floor,lowrank,lora,single --compile on --rounds 3 2>&1 | tee "$OUT/bench_sbs.log" | grep '^{')
 fi
 if has fused; then
   for c in on fused; do

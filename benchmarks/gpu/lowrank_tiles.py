@@ -5,11 +5,11 @@ at rank 1, lora at rank 8, with factors in the model's dtype (bf16; `--factor-dt
 fp32 adapters beside them, as the kernel read them until session 19). This times each candidate `tiles` (overrides)
 on Qwen2.5-1.5B's seven projection shapes at decode (30 members x 8 rows) and prefill (x 64 tokens), checks each result
 within one bf16 rounding of the fp64 sum (plus fp32's error in long sums), and prints one JSON line per (rank, phase,
-config; the first three: launch_plan's default, the same with EARLY_LOADS off, and the torch ops instead of the
-kernel) with GPU microseconds per call and the sum over the model's 196 perturbed linears (28 layers x the 7 shapes:
-one decode step, or one prefill), then the best config per rank and phase beside the default, the default's time
-over EARLY_LOADS off's, the torch ops' over the kernel's (`torch_over_kernel`: which one esrl should take at decode
-and at prefill, `KERNEL_ROWS`) and which esrl takes.
+config; the first two: launch_plan's default and the torch ops instead of the kernel) with GPU microseconds per
+call and the sum over the model's 196 perturbed linears (28 layers x the 7 shapes: one decode step, or one prefill),
+then the best config per rank and phase beside the default, the best per projection, the torch ops' time over the
+kernel's (`torch_over_kernel`: which one esrl should take at decode and at prefill, `KERNEL_ROWS`) and which esrl
+takes.
 
     PYTHONPATH=src python3 benchmarks/gpu/lowrank_tiles.py [--ranks 1,8] [--factor-dtypes bfloat16] [--reps 50]
                                                            [--default-only]
@@ -33,7 +33,6 @@ SHAPES = {"q": (1536, 1536), "k": (1536, 256), "v": (1536, 256), "o": (1536, 153
 CONFIGS = [dict(BLOCK_IN=i, BLOCK_OUT=o, num_warps=w)
            for i, o, w in itertools.product([256, 512, 1024, 2048], [512, 1024, 4096], [4, 8])]
 KERNEL = {}  # launch_plan's block sizes (given, the kernel runs at any rows per member)
-LATE_LOADS = dict(EARLY_LOADS=False)  # the default block sizes, A and ys loaded after the products (before session 19)
 TORCH = "torch"  # the torch ops (batched GEMMs) instead of the kernel: what a prefill takes above KERNEL_ROWS
 
 
@@ -100,7 +99,7 @@ def main() -> None:
         for phase, rows in (("decode", args.rows), ("prefill", args.rows * args.prompt)):
             reps = args.reps if phase == "decode" else max(3, args.reps // 10)
             results = []
-            for tiles in [KERNEL, LATE_LOADS, TORCH] + ([] if args.default_only else CONFIGS):
+            for tiles in [KERNEL, TORCH] + ([] if args.default_only else CONFIGS):
                 add = _torch_add_ if tiles is TORCH else (lambda *t: lowrank_add_(*t, tiles))
                 total, per_shape, ok = 0.0, {}, True
                 for name, (n_in, n_out) in SHAPES.items():
@@ -130,13 +129,15 @@ def main() -> None:
                 continue
             best = min(results, key=lambda r: r["ms_all_linears"])
             ms = lambda tiles: next((r["ms_all_linears"] for r in results if r["tiles"] == (tiles or "kernel")), None)
-            kernel, late, torch_ops = ms(KERNEL), ms(LATE_LOADS), ms(TORCH)
+            kernel, torch_ops = ms(KERNEL), ms(TORCH)
+            per_shape = {name: min(((r["us_per_call"][name], r["tiles"]) for r in results), key=lambda b: b[0])
+                         for name in SHAPES}
             print(json.dumps({"best": best, "kernel_ms_all_linears": kernel, "torch_ms_all_linears": torch_ops,
                               "kernel_over_best": kernel and round(kernel / best["ms_all_linears"], 3),
-                              "early_over_late_loads": kernel and late and round(kernel / late, 3),
+                              "best_per_shape": per_shape,
                               "torch_over_kernel": kernel and torch_ops and round(torch_ops / kernel, 3),
-                              "esrl_takes": "kernel" if rows <= KERNEL_ROWS else "torch"}), flush=True)
-            if rows <= KERNEL_ROWS:  # a prefill's rows take the torch ops, one linear at a time
+                              "esrl_takes": "kernel" if rows <= KERNEL_ROWS or rank == 1 else "torch"}), flush=True)
+            if rows <= KERNEL_ROWS:  # q, k and v in one launch at decode
                 print(json.dumps(one_launch_for_qkv(rank, factor_dtype, args.members, rows, phase, reps)), flush=True)
 
 

@@ -37,15 +37,10 @@ if triton is not None:
                       ys0, bt0, at0, n_out0, ys_stride0, ys1, bt1, at1, n_out1, ys_stride1,
                       ys2, bt2, at2, n_out2, ys_stride2,
                       RANK: tl.constexpr, RANKS: tl.constexpr, BLOCK_IN: tl.constexpr, BLOCK_OUT: tl.constexpr,
-                      EARLY_LOADS: tl.constexpr, LINEARS: tl.constexpr):
+                      LINEARS: tl.constexpr):
         """One program: one row, one block of outputs of one of LINEARS (1-3) linears that read the same x (q, k
         and v: one launch for three; esrl.es.shared_inputs). c = B^T x for all r at once (a [RANKS, BLOCK_IN] tile
-        per step over `in`), then ys[cols] += sum_r c_r A[r, cols]. RANKS: RANK rounded up to a power of two.
-        EARLY_LOADS: A's block and the row's outputs are loaded first: they do not depend on c, so their memory
-        latency can overlap the products' instead of following it (a decode step's grids are one or two waves of
-        programs: a kernel lasts about as long as a program's chain of dependent loads). Chosen without a GPU in
-        session 19: the same math bit for bit, more registers (off -> on, sm_90: rank 1 90 -> 155, rank 8 173 ->
-        249); benchmarks/gpu/lowrank_tiles.py times it against EARLY_LOADS=False."""
+        per step over `in`), then ys[cols] += sum_r c_r A[r, cols]. RANKS: RANK rounded up to a power of two."""
         row = tl.program_id(0).to(tl.int64)
         block = tl.program_id(1)
         ys_ptr, bt_ptr, at_ptr, n_out, ys_stride = ys0, bt0, at0, n_out0, ys_stride0
@@ -63,9 +58,6 @@ if triton is not None:
         col_ok = cols < n_out
         a_ptrs, a_ok = at_ptr + factor[:, None] * n_out + cols[None, :], rank_ok[:, None] & col_ok[None, :]
         ys_row = ys_ptr + row * ys_stride
-        if EARLY_LOADS:
-            a = tl.load(a_ptrs, mask=a_ok, other=0.0)
-            y = tl.load(ys_row + cols, mask=col_ok, other=0.0)
         dots = tl.zeros([RANKS, BLOCK_IN], dtype=tl.float32)
         for start in range(0, n_in, BLOCK_IN):
             k = start + tl.arange(0, BLOCK_IN)
@@ -75,9 +67,8 @@ if triton is not None:
                         other=0.0).to(tl.float32)
             dots += b * x[None, :]
         c = tl.sum(dots, axis=1)
-        if not EARLY_LOADS:
-            a = tl.load(a_ptrs, mask=a_ok, other=0.0)
-            y = tl.load(ys_row + cols, mask=col_ok, other=0.0)
+        a = tl.load(a_ptrs, mask=a_ok, other=0.0)
+        y = tl.load(ys_row + cols, mask=col_ok, other=0.0)
         acc = y.to(tl.float32) + tl.sum(a.to(tl.float32) * c[:, None], axis=0)
         tl.store(ys_row + cols, acc.to(ys_ptr.dtype.element_ty), mask=col_ok)
 
@@ -85,24 +76,24 @@ if triton is not None:
 MAX_LINEARS = 3
 """Linears one launch takes (q, k and v of an attention layer)."""
 KERNEL_ROWS = 64
-"""Rows per member up to which a GPU adds the terms with the kernel: a decode step's (one a prompt). A prefill's
-(prompts x tokens) take the torch ops: the kernel re-reads a member's factors for every row (from L2), which made a
-1.5B prefill's terms at rank 8 and 64 tokens 87 ms (session 18's tiles), where batched GEMMs read them once a member
-and the outputs once, ~13 ms of memory traffic (an estimate until `issue15.sh kernel` prints torch_over_kernel)."""
+"""Rows per member up to which a GPU adds the terms with the kernel at ranks above 1: a decode step's (one a prompt).
+A prefill's (prompts x tokens) take the torch ops there: at lora's rank 8 (bf16) a 1.5B prefill's terms at 64 tokens
+took the per-row kernel 74 ms and the batched GEMMs 29 ms, which read a member's factors once (H100, session 22). At
+rank 1 the kernel's per-row factor reads cost no more than the row's own x and y: 25.5 ms against the torch ops'
+43 ms, so rank 1 takes the kernel at any rows."""
 
 
 def launch_plan(rank: int, rows_per_member: int, n_outs: tuple[int, ...], tiles: dict | None = None):
     """(kernel, grid as a function of the member count, compile-time constants, launch options) for one launch over
     the linears whose output sizes are `n_outs` (1 to MAX_LINEARS, one input). The one definition of the block
     sizes: lowrank_add_ launches it, tests/test_kernel_build.py compiles it for sm_80 and sm_90 (no spills),
-    benchmarks/gpu/lowrank_tiles.py times overrides: `tiles` may set BLOCK_IN, BLOCK_OUT, num_warps and
-    EARLY_LOADS. The grid's second axis: each linear's blocks of outputs (as many as the widest one's), linear by
-    linear."""
+    benchmarks/gpu/lowrank_tiles.py times overrides: `tiles` may set BLOCK_IN, BLOCK_OUT and num_warps. The grid's
+    second axis: each linear's blocks of outputs (as many as the widest one's), linear by linear."""
     # the fastest without spills on an H100 at decode, rank 1 (lowrank) and 8 (lora); RESULTS, session 18. The A tile
     # is RANKS x BLOCK_OUT fp32 values in registers: at most 32k (256 threads, 128 each) at higher ranks
     ranks = max(2, triton.next_power_of_2(rank))
     t = {"BLOCK_IN": min(2048, 8192 // ranks), "BLOCK_OUT": min(4096, 32768 // ranks),
-         "num_warps": 8 if ranks >= 8 else 4, "EARLY_LOADS": True, **(tiles or {})}
+         "num_warps": 8 if ranks >= 8 else 4, **(tiles or {})}
     warps = t.pop("num_warps")
     blocks = triton.cdiv(max(n_outs), t["BLOCK_OUT"])
     grid = lambda m: (m * rows_per_member, len(n_outs) * blocks)
@@ -134,7 +125,9 @@ def lowrank_add_linears_(terms: list[tuple[torch.Tensor, torch.Tensor, torch.Ten
             lowrank_add_linears_([term], xs, tiles)
         return
     m, n = terms[0][0].shape[:2]
-    on_kernel = triton is not None and (terms[0][0].is_cuda or INTERPRETED) and (n <= KERNEL_ROWS or tiles is not None)
+    rank = terms[0][1].shape[1]
+    on_kernel = triton is not None and (terms[0][0].is_cuda or INTERPRETED) and (
+        n <= KERNEL_ROWS or rank == 1 or tiles is not None)
     if on_kernel and all(t[0].is_contiguous() for t in terms):
         xs = xs.reshape(m * n, xs.shape[-1])
         if xs.stride(-1) != 1:
@@ -142,7 +135,7 @@ def lowrank_add_linears_(terms: list[tuple[torch.Tensor, torch.Tensor, torch.Ten
         for start in range(0, len(terms), MAX_LINEARS):
             part = terms[start:start + MAX_LINEARS]
             n_outs = tuple(ys.shape[-1] for ys, _, _ in part)
-            kernel, grid, consts, options = launch_plan(part[0][1].shape[1], n, n_outs, tiles)
+            kernel, grid, consts, options = launch_plan(rank, n, n_outs, tiles)
             # unused slots: None (a compile-time constant), not a used tensor again: under torch.compile an aliased
             # argument that Inductor takes as mutated could be copied back over the kernel's result
             slots = [(ys, b_t, a_t, ys.shape[-1], ys.shape[-1]) for ys, a_t, b_t in part]
