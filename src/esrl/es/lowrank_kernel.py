@@ -14,7 +14,10 @@ tiled kernel (one program per member and block of rows, both products by tl.dot,
 rows) was 4-12x slower per gate_proj call on an H100 in every variant tried (fp32, 3xTF32, broadcast FMA; with fp32,
 lora's decode step took 4.3x as long), and a kernel taking 4 or 8 rows of a member per program (its factors read
 once for them) 2x slower over a decode step's 196 calls (RESULTS, session 18): the factors re-read per row come
-from L2, and these kernels' fewer programs or fp32 tile products cost more.
+from L2, and these kernels' fewer programs or fp32 tile products cost more. Session 22 tried two more at rank 8 (bf16):
+a [rows, rank, in] product for 4-16 rows of a member per program (2.9 ms a step at best against 1.3 ms), and this
+kernel looping over 2-8 rows of a member per program so later rows find the factors in L1 (1.57 ms at best): a
+decode step's program is latency-bound, and a longer chain per program costs more than the L2 reads it saves.
 """
 
 from __future__ import annotations
