@@ -223,10 +223,16 @@ def main() -> None:
     ap.add_argument("--attention", choices=["repeatable", "any"], default="repeatable",
                     help="any: let PyTorch pick any SDPA kernel in rollouts, cuDNN's included (not bitwise "
                          "repeatable on a GPU): the cost of esrl's determinism is the time over this")
+    ap.add_argument("--compiled-terms", choices=["kernel", "torch"], default="kernel",
+                    help="how a torch.compile'd step (--compile fused) adds the ES terms: esrl's Triton kernel, or "
+                         "products and sums Inductor can fuse (esrl.es.lowrank_kernel.COMPILED_TERMS)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     if args.worker:
+        from esrl.es import lowrank_kernel
+
+        lowrank_kernel.COMPILED_TERMS = args.compiled_terms
         if args.attention == "any":
             from torch.nn.attention import SDPBackend
 
@@ -240,12 +246,14 @@ def main() -> None:
     machine = {"nproc": os.cpu_count(), "cpu": cpu_model(), "torch": torch.__version__,
                "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
                "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-               "model": args.model, "dtype": args.dtype, "attention": args.attention}
+               "model": args.model, "dtype": args.dtype, "attention": args.attention,
+               "compiled_terms": args.compiled_terms}
     print(json.dumps({"machine": machine}))
-    passthrough = [f"--members={args.members}", f"--new-tokens={args.new_tokens}", f"--rank={args.rank}", f"--lora-rank={args.lora_rank}",
-                   f"--repeats={args.repeats}", f"--full-members={args.full_members}",
+    passthrough = [f"--members={args.members}", f"--new-tokens={args.new_tokens}", f"--rank={args.rank}",
+                   f"--lora-rank={args.lora_rank}", f"--repeats={args.repeats}", f"--full-members={args.full_members}",
                    f"--prompts={args.prompts}", f"--model={args.model}", f"--device={args.device}",
-                   f"--dtype={args.dtype}", f"--tokenizer={args.tokenizer}", f"--attention={args.attention}"]
+                   f"--dtype={args.dtype}", f"--tokenizer={args.tokenizer}", f"--attention={args.attention}",
+                   f"--compiled-terms={args.compiled_terms}"]
     compiles = args.compile.split(",")
     if not set(compiles) <= {"off", "auto", "on", "fused"}:
         ap.error(f"--compile: off, auto, on or fused (comma-separated), got {args.compile!r}")

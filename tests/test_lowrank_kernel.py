@@ -134,3 +134,21 @@ def test_the_kernel_adds_up_to_kernel_rows_per_member_and_the_torch_ops_beyond_e
     assert out[KERNEL_ROWS, 2] == (True, False, False), out  # the kernel
     assert out[KERNEL_ROWS + 1, 2] == (False, True, False), out  # the torch ops
     assert out[KERNEL_ROWS + 1, 1] == (True, False, False), out  # rank 1: the kernel
+
+
+@pytest.mark.parametrize("rank,factor_dtype", [(1, torch.bfloat16), (8, torch.bfloat16), (8, torch.float32)])
+def test_the_fusable_terms_sum_in_fp32_and_round_once(rank, factor_dtype):
+    """The products and sums a torch.compile'd step may take instead of the kernel (COMPILED_TERMS = "torch"): the
+    kernel's math, so bf16 outputs lie within one rounding of the fp64 answer, and the fp32 ones (the term before
+    that rounding) within fp32's error."""
+    from esrl.es.lowrank_kernel import _fusable_add_
+
+    ys, xs, a_t, b_t = _inputs(rank, torch.bfloat16, factor_dtype, n=5)
+    want = ys.double() + torch.bmm(torch.bmm(xs.double(), b_t.double().transpose(1, 2)), a_t.double())
+    got = ys.clone()
+    _fusable_add_(got, xs, a_t, b_t)
+    assert got.dtype == torch.bfloat16
+    assert ((got.double() - want).abs() <= want.abs() * 2 ** -8 + 1e-6).all()
+    fp32 = ys.float()
+    _fusable_add_(fp32, xs, a_t, b_t)
+    assert ((fp32.double() - want).abs() <= want.abs() * 1e-5 + 1e-5).all()

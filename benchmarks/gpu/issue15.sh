@@ -16,7 +16,8 @@
 # prefill: benchmarks/prefill_head.py (a frozen lm_head on the prompts' last positions, by slice or by index).
 # determinism: floor and lowrank, recorded and eager, with esrl's repeatable attention and with any kernel.
 # fused: floor, lowrank and lora with rollout.compile: fused (the step torch.compile'd, then recorded) beside the
-# recorded-only path, in one call each so their ratios are side by side.
+# recorded-only path, in one call each so their ratios are side by side; the fused step once with esrl's kernel for the
+# member terms and once with products and sums Inductor fuses (es_throughput.py --compiled-terms).
 # .whl holds the wheels the GPU image lacks (jsonargparse, docstring-parser, typeshed-client); .gpu/tok the
 # embedded model's config and tokenizer files (no weights).
 set -uo pipefail
@@ -54,9 +55,9 @@ fi
 if has sbs; then  # the ratios side by side: floor, lowrank, lora and one member's rows in one process, 3 rounds
   (cd benchmarks && timeout ${SBS_S:-400} python3 es_throughput.py $BENCH --modes floor,lowrank,lora,single --compile on --rounds 3 2>&1 | tee "$OUT/bench_sbs.log" | grep '^{')
 fi
-if has fused; then
-  for c in on fused; do
-    (cd benchmarks && timeout 280 python3 es_throughput.py $BENCH --modes floor,lowrank,lora --compile $c --repeats 2 2>&1 | tee "$OUT/bench_$c.log" | grep '^{')
+if has fused; then  # recorded only; torch.compile'd with the Triton kernel; torch.compile'd with terms Inductor fuses
+  for v in on:kernel fused:kernel fused:torch; do
+    (cd benchmarks && timeout 280 python3 es_throughput.py $BENCH --modes floor,lowrank,lora --compile ${v%:*} --compiled-terms ${v#*:} --repeats 2 2>&1 | tee "$OUT/bench_${v/:/_}.log" | grep '^{')
   done
 fi
 if has host; then  # the iteration's work around its generate: loads and update, factors drawn once or twice

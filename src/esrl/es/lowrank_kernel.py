@@ -86,6 +86,14 @@ rank 1 the kernel's per-row factor reads cost no more than the row's own x and y
 43 ms, so rank 1 takes the kernel at any rows."""
 
 
+COMPILED_TERMS = "kernel"
+"""How a decode step that torch.compile traces (rollout.compile: fused) adds the terms. "kernel": this kernel, which
+Inductor calls as it is; "torch": products and sums in fp32 (`_fusable_add_`), which Inductor can fuse with the ops
+around them (the norm that makes x, the rotary, activation or residual add that reads y) instead of a launch per
+linear. On an H100 the fused step with "kernel" added what the recorded one adds (lowrank +0.21 s, lora +0.45 s) to a
+1.34 s floor (session 22); "torch" is not timed yet: `es_throughput.py --compile fused --compiled-terms torch`."""
+
+
 def launch_plan(rank: int, rows_per_member: int, n_outs: tuple[int, ...], tiles: dict | None = None):
     """(kernel, grid as a function of the member count, compile-time constants, launch options) for one launch over
     the linears whose output sizes are `n_outs` (1 to MAX_LINEARS, one input). The one definition of the block
@@ -123,6 +131,10 @@ def lowrank_add_linears_(terms: list[tuple[torch.Tensor, torch.Tensor, torch.Ten
     """lowrank_add_ for linears that read the same xs, each (ys, a_t, b_t) of one rank and dtypes: one kernel launch
     for up to MAX_LINEARS of them on a GPU (the same sums as one launch each) up to KERNEL_ROWS rows per member, the
     torch ops one linear at a time elsewhere."""
+    if COMPILED_TERMS == "torch" and torch.compiler.is_compiling():
+        for ys, a_t, b_t in terms:
+            _fusable_add_(ys, xs, a_t, b_t)
+        return
     if len({(ys.dtype, a_t.dtype, b_t.dtype, a_t.shape[1]) for ys, a_t, b_t in terms}) > 1:  # one kernel build each
         for term in terms:
             lowrank_add_linears_([term], xs, tiles)
@@ -160,3 +172,10 @@ def _torch_add_(ys: torch.Tensor, xs: torch.Tensor, a_t: torch.Tensor, b_t: torc
         ys.addcmul_(torch.bmm(xs, b_t.transpose(1, 2)), a_t)
     else:
         ys.baddbmm_(torch.bmm(xs, b_t.transpose(1, 2)), a_t)
+
+
+def _fusable_add_(ys: torch.Tensor, xs: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor) -> None:
+    """The kernel's math as broadcast products and sums for Inductor to fuse (c = x.B and the term in fp32, ys rounded
+    once). Eagerly it would build (M, n, r, in) and (M, n, r, out) products: for traced steps only."""
+    c = (xs.unsqueeze(-2).float() * b_t.unsqueeze(1).float()).sum(-1)  # (M, n, r)
+    ys.copy_(ys.float() + (c.unsqueeze(-1) * a_t.unsqueeze(1).float()).sum(-2))
