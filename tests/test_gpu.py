@@ -66,11 +66,16 @@ def _fit(model: str, tmp_path, mode: str, compile: str = "auto") -> dict[str, to
     return {n: p.detach().cpu().clone() for n, p in module.policy.named_parameters()}
 
 
-@pytest.mark.parametrize(("mode", "compile"), [("full", "auto"), ("lowrank", "auto"), ("lora", "auto"),
-                                              ("lowrank", "fused")])
-def test_two_es_fits_give_identical_weights(qwen, tmp_path, mode, compile):
+@pytest.mark.parametrize(("mode", "compile", "terms"), [
+    ("full", "auto", "kernel"), ("lowrank", "auto", "kernel"), ("lora", "auto", "kernel"),
+    ("lowrank", "fused", "kernel"), ("lowrank", "fused", "torch"), ("lora", "fused", "torch")])
+def test_two_es_fits_give_identical_weights(qwen, tmp_path, monkeypatch, mode, compile, terms):
+    """terms: how a fused (torch.compile'd) step adds the member terms (esrl.es.lowrank_kernel.COMPILED_TERMS)."""
+    from esrl.es import lowrank_kernel
+
     if mode == "lora":
         pytest.importorskip("peft")
+    monkeypatch.setattr(lowrank_kernel, "COMPILED_TERMS", terms)
     a, b = _fit(qwen, tmp_path / "a", mode, compile), _fit(qwen, tmp_path / "b", mode, compile)
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:3]
