@@ -129,8 +129,8 @@ def lowrank_add_(ys: torch.Tensor, xs: torch.Tensor, a_t: torch.Tensor, b_t: tor
 def lowrank_add_linears_(terms: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], xs: torch.Tensor,
                          tiles: dict | None = None) -> None:
     """lowrank_add_ for linears that read the same xs, each (ys, a_t, b_t) of one rank and dtypes: one kernel launch
-    for up to MAX_LINEARS of them on a GPU (the same sums as one launch each) up to KERNEL_ROWS rows per member, the
-    torch ops one linear at a time elsewhere."""
+    for up to MAX_LINEARS of them on a GPU (the same sums as one launch each) up to KERNEL_ROWS rows per member (at
+    rank 1 at any rows), the torch ops one linear at a time elsewhere; in a traced step, COMPILED_TERMS decides."""
     if COMPILED_TERMS == "torch" and torch.compiler.is_compiling():
         for ys, a_t, b_t in terms:
             _fusable_add_(ys, xs, a_t, b_t)
