@@ -82,7 +82,7 @@ def one_launch_for_qkv(rank: int, factor_dtype, members: int, rows: int, phase: 
 
 
 def main() -> None:
-    from esrl.es.lowrank_kernel import KERNEL_ROWS, _torch_add_, lowrank_add_
+    from esrl.es.lowrank_kernel import KERNEL_ROWS, _torch_add_, kernel_takes, lowrank_add_
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", default="1,8")
@@ -136,7 +136,7 @@ def main() -> None:
                               "kernel_over_best": kernel and round(kernel / best["ms_all_linears"], 3),
                               "best_per_shape": per_shape,
                               "torch_over_kernel": kernel and torch_ops and round(torch_ops / kernel, 3),
-                              "esrl_takes": "kernel" if rows <= KERNEL_ROWS or rank == 1 else "torch"}), flush=True)
+                              "esrl_takes": "kernel" if kernel_takes(rank, rows) else "torch"}), flush=True)
             if rows <= KERNEL_ROWS:  # q, k and v in one launch at decode
                 print(json.dumps(one_launch_for_qkv(rank, factor_dtype, args.members, rows, phase, reps)), flush=True)
 

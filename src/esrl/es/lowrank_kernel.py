@@ -86,6 +86,12 @@ rank 1 the kernel's per-row factor reads cost no more than the row's own x and y
 43 ms, so rank 1 takes the kernel at any rows."""
 
 
+
+def kernel_takes(rank: int, rows_per_member: int) -> bool:
+    """Whether a GPU adds terms of this rank with the kernel (else the torch ops): KERNEL_ROWS' rule."""
+    return rows_per_member <= KERNEL_ROWS or rank == 1
+
+
 COMPILED_TERMS = "kernel"
 """How a decode step that torch.compile traces (rollout.compile: fused) adds the terms. "kernel": this kernel, which
 Inductor calls as it is; "torch": products and sums in fp32 (`_fusable_add_`), which Inductor can fuse with the ops
@@ -142,7 +148,7 @@ def lowrank_add_linears_(terms: list[tuple[torch.Tensor, torch.Tensor, torch.Ten
     m, n = terms[0][0].shape[:2]
     rank = terms[0][1].shape[1]
     on_kernel = triton is not None and (terms[0][0].is_cuda or INTERPRETED) and (
-        n <= KERNEL_ROWS or rank == 1 or tiles is not None)
+        kernel_takes(rank, n) or tiles is not None)
     if on_kernel and all(t[0].is_contiguous() for t in terms):
         xs = xs.reshape(m * n, xs.shape[-1])
         if xs.stride(-1) != 1:
