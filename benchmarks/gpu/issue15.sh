@@ -3,7 +3,7 @@
 # floor, lowrank, lora, a single member's generate and full mode), then configs/es_conciseness.yaml end to end.
 # Steps run in order of priority, each under its own time limit; everything lands in $OUT.
 #
-#   device run (carry .whl .gpu):  bash benchmarks/gpu/issue15.sh [steps]   steps: profile,tests,kernel,tiles,bench1,bench2,sbs,fused,host,prefill,determinism,e2e
+#   device run (carry .whl .gpu):  bash benchmarks/gpu/issue15.sh [steps]   steps: next or profile,tests,kernel,tiles,bench1,bench2,sbs,fused,host,prefill,determinism,e2e
 # E2E_ARGS adds esrl fit flags to e2e (e.g. "--model.rollout.compile fused"); DET_COMPILE=on limits determinism to the
 # recorded path (the default on CUDA); BENCH2_MODES overrides bench2's modes (e.g. single,full).
 # sbs: the same rows side by side in ONE process (es_throughput.py --rounds), so their ratios share the machine's state.
@@ -17,11 +17,15 @@
 # determinism: floor and lowrank, recorded and eager, with esrl's repeatable attention and with any kernel.
 # fused: floor, lowrank and lora with rollout.compile: fused (the step torch.compile'd, then recorded) beside the
 # recorded-only path, in one call each so their ratios are side by side; the fused step once with esrl's kernel for the
-# member terms and once with products and sums Inductor fuses (es_throughput.py --compiled-terms).
+# member terms and once with products and sums Inductor fuses (es_throughput.py --compiled-terms); FUSED_VARIANTS
+# picks among on:kernel,fused:kernel,fused:torch (each up to ~3 minutes).
+# next: what the next device session runs first within its 15 minutes (about 8 with the machine's start):
+# tests, then the fused step with the kernel and with Inductor's terms.
 # .whl holds the wheels the GPU image lacks (jsonargparse, docstring-parser, typeshed-client); .gpu/tok the
 # embedded model's config and tokenizer files (no weights).
 set -uo pipefail
 STEPS=${1:-profile,tests,bench1,bench2,e2e}
+[ "$STEPS" = next ] && { STEPS=tests,fused; FUSED_VARIANTS=${FUSED_VARIANTS:-fused:kernel,fused:torch}; }
 OUT=${OUT:-/tmp/esrl_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
@@ -55,8 +59,9 @@ fi
 if has sbs; then  # the ratios side by side: floor, lowrank, lora and one member's rows in one process, 3 rounds
   (cd benchmarks && timeout ${SBS_S:-400} python3 es_throughput.py $BENCH --modes floor,lowrank,lora,single --compile on --rounds 3 2>&1 | tee "$OUT/bench_sbs.log" | grep '^{')
 fi
+FUSED_VARIANTS=${FUSED_VARIANTS:-on:kernel,fused:kernel,fused:torch}
 if has fused; then  # recorded only; torch.compile'd with the Triton kernel; torch.compile'd with terms Inductor fuses
-  for v in on:kernel fused:kernel fused:torch; do
+  for v in ${FUSED_VARIANTS//,/ }; do
     (cd benchmarks && timeout 280 python3 es_throughput.py $BENCH --modes floor,lowrank,lora --compile ${v%:*} --compiled-terms ${v#*:} --repeats 2 2>&1 | tee "$OUT/bench_${v/:/_}.log" | grep '^{')
   done
 fi

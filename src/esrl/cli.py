@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 import warnings
 
+from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.optim import Optimizer
@@ -90,22 +91,28 @@ class EsrlCLI(LightningCLI):
             ]
 
 
-# Commands beside LightningCLI's fit/validate/test: name -> "module:function(argv)".
+# Commands beside LightningCLI's fit/validate/test: name -> ("module:function(argv)", what `esrl --help` says of it).
 TOOLS = {
-    "export": "esrl.export:main",
-    "serve-scorer": "esrl.scoring.service:main",
-    "analyze": "esrl.analysis.cli:main",
-    "sweep": "esrl.sweep:main",
-    "study": "esrl.study.cli:main",
-    "elo": "esrl.elo:main",
-    "env": "esrl.env:main",
+    "export": ("esrl.export:main", "rebuild an ES-trained model at any step from its base and seed log"),
+    "serve-scorer": ("esrl.scoring.service:main", "a scorer (reward, cost, judge models) behind HTTP"),
+    "analyze": ("esrl.analysis.cli:main", "weight-space analyses of trained checkpoints (JSON and PNG plots)"),
+    "sweep": ("esrl.sweep:main", "a small grid over any config keys, run locally, summarized in a table"),
+    "study": ("esrl.study.cli:main", "every (algorithm, grid point, seed) as its own fit, then one report"),
+    "elo": ("esrl.elo:main", "a held-out judge's Elo tournament between models' completion files"),
+    "env": ("esrl.env:main", "versions, devices and caches for a bug report; what a config needs here"),
 }
+TOOLS_HELP = "other commands (each with --help):\n" + "\n".join(
+    f"  esrl {name:<13} {summary}" for name, (_, summary) in TOOLS.items())
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, DefaultHelpFormatter):
+    """jsonargparse's help, with the epilog's lines (TOOLS_HELP) kept as written."""
 
 
 def _run_tool(name: str, argv: list[str]) -> None:
     import importlib
 
-    module, _, func = TOOLS[name].partition(":")
+    module, _, func = TOOLS[name][0].partition(":")
     getattr(importlib.import_module(module), func)(argv)
 
 
@@ -128,6 +135,7 @@ def main(args: list[str] | None = None) -> None:
             seed_everything_default=0,
             trainer_defaults={"num_sanity_val_steps": 0, "log_every_n_steps": 1},
             save_config_kwargs={"overwrite": True},
+            parser_kwargs={"epilog": TOOLS_HELP, "formatter_class": _HelpFormatter},  # the main parser's
             args=args,
         )
     except EsrlError as e:

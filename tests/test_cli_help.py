@@ -1,0 +1,21 @@
+"""`esrl --help` is where a user finds the commands beside fit/validate/test: each is listed, and each listed one runs."""
+
+from __future__ import annotations
+
+import pytest
+from cli_runner import run_esrl
+
+from esrl.cli import TOOLS
+
+
+def test_main_help_lists_every_other_command_with_its_summary():
+    help_text = run_esrl("--help").stdout
+    for name, (_, summary) in TOOLS.items():
+        assert f"esrl {name}" in help_text and summary in help_text, name
+
+
+@pytest.mark.parametrize("name", sorted(TOOLS))
+def test_each_listed_command_answers_its_own_help(name):
+    result = run_esrl(name, "--help")
+    assert result.returncode == 0, result.stderr
+    assert f"usage: esrl {name}" in result.stdout
