@@ -1,4 +1,4 @@
-"""`esrl --help` is where a user finds the commands beside fit/validate/test: each is listed, and each listed one runs."""
+"""`esrl --help` is where a user finds the commands beside fit: each is listed, and each listed one runs."""
 
 from __future__ import annotations
 

@@ -9,10 +9,14 @@ model's package: config and tokenizer files only).
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURES
+from es_rank import fit_weights
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -42,30 +46,6 @@ def qwen(tmp_path_factory) -> str:
     return _random_qwen(tmp_path_factory.mktemp("qwen") / "bf16")
 
 
-def _fit(model: str, tmp_path, mode: str, compile: str = "auto") -> dict[str, torch.Tensor]:
-    import lightning as L
-
-    from esrl.callbacks import Evaluation
-    from esrl.data import PromptDataModule
-    from esrl.es.config import ESConfig
-    from esrl.es.module import ESModule
-    from esrl.policy import PolicyConfig
-    from esrl.rollout import RolloutConfig
-
-    module = ESModule(PolicyConfig(name_or_path=model, dtype="bfloat16"),
-                      RolloutConfig(max_new_tokens=140, max_batch_size=6, compile=compile),  # auto: on for CUDA
-                      ESConfig(population_size=4, sigma=0.01, alpha=0.01, seed=3, mode=mode, lora_rank=4))
-    data = PromptDataModule("conciseness", {"train_path": str(FIXTURES / "conciseness_train3.jsonl"),
-                                            "eval_path": str(FIXTURES / "conciseness_eval2.jsonl")},
-                            prompts_per_step=2)
-    trainer = L.Trainer(accelerator="cuda", devices=1, max_steps=2, enable_progress_bar=False, logger=False,
-                        enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
-                        limit_val_batches=0, callbacks=[Evaluation(before=False, after=False)])
-    trainer.fit(module, datamodule=data)
-    assert module.engine.compile_times()  # the compiled decode path ran (the policy is back on the CPU now)
-    return {n: p.detach().cpu().clone() for n, p in module.policy.named_parameters()}
-
-
 @pytest.mark.parametrize(("mode", "compile", "terms"), [
     ("full", "auto", "kernel"), ("lowrank", "auto", "kernel"), ("lora", "auto", "kernel"),
     ("lowrank", "fused", "kernel"), ("lowrank", "fused", "torch"), ("lora", "fused", "torch")])
@@ -76,7 +56,29 @@ def test_two_es_fits_give_identical_weights(qwen, tmp_path, monkeypatch, mode, c
     if mode == "lora":
         pytest.importorskip("peft")
     monkeypatch.setattr(lowrank_kernel, "COMPILED_TERMS", terms)
-    a, b = _fit(qwen, tmp_path / "a", mode, compile), _fit(qwen, tmp_path / "b", mode, compile)
+    a, b = fit_weights(qwen, tmp_path / "a", mode, compile), fit_weights(qwen, tmp_path / "b", mode, compile)
+    _assert_same(a, b)
+
+
+@pytest.mark.parametrize("mode", ["full", "lowrank"])
+def test_two_processes_on_one_gpu_give_the_weights_of_one(qwen, tmp_path, mode):
+    """World-size invariance on CUDA, and ES's collectives (fitness, checksums) on a backend without a CPU side, as
+    NCCL: two ranks share the one GPU through Gloo bound to CUDA (tests/es_rank.py says why)."""
+    one = fit_weights(qwen, tmp_path / "one", mode)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "two.pt"
+    ranks = [subprocess.Popen([sys.executable, str(Path(__file__).with_name("es_rank.py")), qwen, mode, "cuda", "2",
+                               "cuda:gloo", str(out)], stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "LOCAL_RANK": str(r), "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port)}) for r in range(2)]
+    errors = [rank.communicate(timeout=600)[1] for rank in ranks]
+    assert all(rank.returncode == 0 for rank in ranks), [e[-3000:] for e in errors]
+    _assert_same(one, torch.load(out))
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:3]
 

@@ -2,6 +2,8 @@
 
 ES ranks never exchange weights: every rank applies the same update from the all-gathered fitness.
 Every rank sees every prompt (all members are scored on the same prompts), so the sampler is not sharded.
+The fitness and checksums live on the CPU; NCCL (DDP's backend on GPUs) takes CUDA tensors only ("No backend type
+associated with device type cpu"), so the collectives below move them to the rank's device and back.
 """
 
 from __future__ import annotations
@@ -26,14 +28,14 @@ class ESStrategy(DDPStrategy):
         """Exact sum (each entry has one non-zero contributor when gathering member fitness)."""
         if self.world_size == 1:
             return tensor
-        out = tensor.clone()
+        out = tensor.to(self.root_device, copy=True)
         torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.SUM)
-        return out
+        return out.to(tensor.device)
 
     def gather_all(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return tensor.unsqueeze(0)
-        return self.all_gather(tensor)
+        return self.all_gather(tensor.to(self.root_device)).to(tensor.device)
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
