@@ -11,6 +11,8 @@ GPU, each in its own CUDA context. NCCL refuses two ranks on one GPU, so they ta
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -47,6 +49,26 @@ def fit_weights(model: str, root: Path, mode: str, compile: str = "auto", device
     if device == "cuda":
         assert module.engine.compile_times() or compile == "off"  # the compiled decode path ran
     return {n: p.detach().cpu().clone() for n, p in module.policy.named_parameters()}
+
+
+def fit_two_ranks(model: str, root: Path, mode: str, device: str, backend: str) -> dict[str, torch.Tensor]:
+    """This file's fit as two processes on one device (rank 0 and 1, started here); rank 0's final weights."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root.mkdir(parents=True, exist_ok=True)
+    out, logs = root / "weights.pt", [root / f"rank{r}.log" for r in range(2)]  # files: a full pipe stalls a rank
+    ranks = [subprocess.Popen([sys.executable, __file__, model, mode, device, "2", backend, str(out)],
+                              stdout=log.open("w"), stderr=subprocess.STDOUT,
+                              env={**os.environ, "LOCAL_RANK": str(r), "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port)}) for r, log in enumerate(logs)]
+    try:
+        codes = [rank.wait(timeout=240) for rank in ranks]
+    finally:  # a rank stuck in a collective dies here, not after the caller
+        for rank in ranks:
+            rank.kill()
+    assert codes == [0, 0], [log.read_text()[-3000:] for log in logs]
+    return torch.load(out)
 
 
 def main(model: str, mode: str, device: str, world: str, backend: str, out: str) -> None:

@@ -9,14 +9,10 @@ model's package: config and tokenizer files only).
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from es_rank import fit_weights
+from es_rank import fit_two_ranks, fit_weights
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -65,17 +61,7 @@ def test_two_processes_on_one_gpu_give_the_weights_of_one(qwen, tmp_path, mode):
     """World-size invariance on CUDA, and ES's collectives (fitness, checksums) on a backend without a CPU side, as
     NCCL: two ranks share the one GPU through Gloo bound to CUDA (tests/es_rank.py says why)."""
     one = fit_weights(qwen, tmp_path / "one", mode)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / "two.pt"
-    ranks = [subprocess.Popen([sys.executable, str(Path(__file__).with_name("es_rank.py")), qwen, mode, "cuda", "2",
-                               "cuda:gloo", str(out)], stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "LOCAL_RANK": str(r), "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                                   "MASTER_PORT": str(port)}) for r in range(2)]
-    errors = [rank.communicate(timeout=600)[1] for rank in ranks]
-    assert all(rank.returncode == 0 for rank in ranks), [e[-3000:] for e in errors]
-    _assert_same(one, torch.load(out))
+    _assert_same(one, fit_two_ranks(qwen, tmp_path / "two", mode, "cuda", "cuda:gloo"))
 
 
 def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
