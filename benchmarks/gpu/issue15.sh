@@ -40,7 +40,7 @@ if has profile; then
   timeout 150 python3 benchmarks/gpu/decode_profile.py 2>&1 | quiet | tee "$OUT/decode_profile.log"
 fi
 if has tests; then
-  timeout 420 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | quiet | tee "$OUT/gpu_tests.log" | tail -15
+  timeout 420 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider --durations=8 2>&1 | quiet | tee "$OUT/gpu_tests.log" | tail -15
 fi
 if has kernel; then
   timeout 240 python3 benchmarks/gpu/lowrank_tiles.py --ranks 1,8 --factor-dtypes bfloat16,float32 --default-only 2>&1 \
