@@ -143,6 +143,9 @@ def jsonl_data(tmp_path_factory) -> dict[str, Path]:
     for kind in ("member", "sample", "all"):
         files[kind] = root / f"train_{kind}.jsonl"
         files[kind].write_text("".join(json.dumps({"prompt": r["question"], "bad": kind}) + "\n" for r in rows))
+    files["mixed"] = root / "train_mixed.jsonl"  # one prompt all NaN, one clean: one per GRPO rank at 2 processes
+    files["mixed"].write_text("".join(json.dumps({"prompt": r["question"], "bad": kind}) + "\n"
+                                      for r, kind in zip(rows, ("all", "none"))))
     files["eval"] = root / "eval.jsonl"
     files["eval"].write_text('{"prompt": "What is 2 + 2?"}\n{"prompt": "Name a colour."}\n')
     return files
@@ -176,6 +179,17 @@ def test_bad_rewards_are_excluded_and_counted(algo, kind, tiny_model, jsonl_data
     assert all(math.isfinite(v) for v in _metric(tmp_path, "train/reward_mean"))
     (final,) = tmp_path.rglob("final/model.safetensors")
     assert all(torch.isfinite(t).all() for t in load_safetensors(final).values())
+
+
+@pytest.mark.slow
+def test_a_grpo_rank_whose_samples_all_fail_trains_on_with_the_others(tiny_model, jsonl_data, tmp_path, monkeypatch):
+    """2 processes, one prompt each: every sample of one rank is NaN, none of the other's (4 of 8, allowed). The run
+    goes on; bad_rewards is the step's count (summed over ranks) and reward_min/max the finite rewards' over ranks."""
+    out = _fit(tiny_model, jsonl_data, "mixed", tmp_path, monkeypatch, "--algo", "grpo", "--trainer.devices", "2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert _metric(tmp_path, "train/bad_rewards") == [4.0, 4.0]
+    lows, highs = _metric(tmp_path, "train/reward_min"), _metric(tmp_path, "train/reward_max")
+    assert len(lows) == 2 and all(0 < low <= high < math.inf for low, high in zip(lows, highs))
 
 
 @pytest.mark.slow

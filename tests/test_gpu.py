@@ -8,6 +8,7 @@ model's package: config and tokenizer files only).
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -237,3 +238,18 @@ def test_the_batched_finite_check_on_cuda_finds_one_bad_element(bad):
     if bad is not None:
         tensors[-2][-1] = bad
     assert all_finite(tensors) == (bad is None) == all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def test_a_scorer_takes_the_cuda_device_current_at_its_first_batch(tmp_path):
+    """A training process builds its task's scorer before Lightning makes the rank's GPU current, so a scorer on
+    "auto" places its model at its first batch (esrl.scoring.batches.place), not on GPU 0 when built."""
+    from esrl.models import load_tokenizer
+    from esrl.models.tiny import tiny_score_model
+    from esrl.scoring.score_model import ScoreModel
+
+    tok = load_tokenizer(os.environ.get("ESRL_TOKENIZER", "smollm2-135m-instruct"))
+    scorer = ScoreModel(tiny_score_model(tmp_path / "reward", seed=1, score_type="reward", tokenizer=tok))
+    assert next(scorer.backbone.parameters()).device.type == "cpu"
+    scores = scorer.score_texts(["Hi there", "A longer answer about the sea"])
+    assert next(scorer.backbone.parameters()).device == torch.device("cuda", torch.cuda.current_device())
+    assert len(scores) == 2 and all(map(math.isfinite, scores))

@@ -134,19 +134,22 @@ def test_only_the_adapter_trains_and_the_reference_is_the_base(tiny_model):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_zero3_is_refused_before_the_model_loads(tiny_model, stage):
-    """DeepSpeed cannot run here: its strategy object is built bare, with only the config that names its stage."""
+@pytest.mark.parametrize("lora", [True, False])
+def test_zero3_is_refused_before_the_model_loads(tiny_model, stage, lora):
+    """DeepSpeed cannot run here: its strategy object is built bare, with only the config that names its stage.
+    ZeRO-3 is refused with or without LoRA (its partitioned weights are never gathered for generate or the save)."""
     from types import SimpleNamespace
 
     from lightning.pytorch.strategies import DeepSpeedStrategy
 
     strategy = DeepSpeedStrategy.__new__(DeepSpeedStrategy)
     strategy.config = {"zero_optimization": {"stage": stage}}
-    module = _module(tiny_model)
+    module = _module(tiny_model) if lora else _module(tiny_model, lora=None)
     module._trainer = SimpleNamespace(strategy=strategy, gradient_clip_val=1.0, accumulate_grad_batches=1,
                                       log_dir=None, default_root_dir=".")
     if stage == 3:
-        with pytest.raises(ConfigError, match=r"^model\.grpo\.lora: .*ZeRO-3"):
+        culprit = r"model\.grpo\.lora" if lora else r"trainer\.strategy"
+        with pytest.raises(ConfigError, match=rf"^{culprit}: .*ZeRO-3"):
             module.setup("fit")
     else:
         module.setup("fit")

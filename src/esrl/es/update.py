@@ -133,5 +133,5 @@ def weights_checksum(params: Sequence[torch.Tensor]) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.int64)
     for k, p in enumerate(params):
         bits = p.detach().reshape(-1).view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[p.element_size()])
-        total += (bits.to(torch.int64).sum() * (k + 1)).cpu()
+        total += (bits.sum() * (k + 1)).cpu()  # an integer sum is int64 (torch promotes it): no int64 copy
     return total

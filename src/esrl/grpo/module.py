@@ -108,10 +108,16 @@ class GRPOModule(PolicyModule):
     def setup(self, stage: str) -> None:
         super().setup(stage)
         strategy = self.trainer.strategy
-        if self.grpo.lora is not None and isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3:
-            # before configure_model: ZeRO-3 would build the adapter as partitioned parameters
-            raise ConfigError("model.grpo.lora: LoRA is not supported under DeepSpeed ZeRO-3 (trainer.strategy); "
-                              "use deepspeed_stage_2, or model.grpo.lora: null for full fine-tuning")
+        if isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3:  # before configure_model loads
+            if self.grpo.lora is not None:  # ZeRO-3 would build the adapter as partitioned parameters
+                raise ConfigError("model.grpo.lora: LoRA is not supported under DeepSpeed ZeRO-3 (trainer.strategy); "
+                                  "use deepspeed_stage_2, or model.grpo.lora: null for full fine-tuning")
+            # Partitioned weights need gathering where esrl reads them whole: the final save (rank 0 would write
+            # empty tensors), generate on several ranks (synced_gpus, or a rank that stops early hangs the others)
+            # and the load inside zero.Init. None of it is built or run on GPUs yet.
+            raise ConfigError("trainer.strategy: GRPO under DeepSpeed ZeRO-3 is not supported yet (its partitioned "
+                              "weights are not gathered for generate and the final save); use deepspeed_stage_2, "
+                              "which shards the optimizer states and gradients (tested on an H100)")
         # TRL clips gradients at 1.0 by default; the trainer's own gradient_clip_val wins when set.
         if stage == "fit" and self.trainer.gradient_clip_val is None and self.grpo.max_grad_norm is not None:
             self.trainer.gradient_clip_val = self.grpo.max_grad_norm
@@ -276,10 +282,12 @@ class GRPOModule(PolicyModule):
         G = self.grpo.num_generations
         r, adv, lengths = rollout.rewards, rollout.advantages.float().cpu(), rollout.lengths.float()
         group_std = nanstd(r.view(-1, G), dim=1)
-        finite = r[~r.isnan()]  # never empty: a micro-batch of mostly bad rewards stopped the run
+        finite = r[~r.isnan()]  # empty on a rank whose samples all failed while the others' kept the step usable
         metrics = {
             "train/reward_mean": r.nanmean(), "train/reward_std": group_std.nanmean(),
-            "train/reward_min": finite.min(), "train/reward_max": finite.max(),
+            # empty: the identities of the min and max over ranks (rank_reduction), so the others' values stand
+            "train/reward_min": finite.min() if finite.numel() else math.inf,
+            "train/reward_max": finite.max() if finite.numel() else -math.inf,
             "train/frac_reward_zero_std": (group_std < 1e-6).float().mean(),
             "train/bad_rewards": r.isnan().sum(),  # samples left out of the advantages for a NaN/inf reward
             "train/advantage_abs_mean": adv.abs().mean(), "train/advantage_std": adv.std(unbiased=False),
@@ -291,8 +299,9 @@ class GRPOModule(PolicyModule):
         }
         metrics.update({f"train/{k}": v for k, v in {**stats, **rollout.is_stats}.items()})
         batch_size = r.numel()
-        self.log_dict({k: float(v) for k, v in metrics.items()}, on_step=True, on_epoch=False, sync_dist=True,
-                      batch_size=batch_size)
+        for reduce_fx in ("mean", "min", "max", "sum"):  # over ranks, as TRL: min of mins, max of maxes, means
+            self.log_dict({k: float(v) for k, v in metrics.items() if rank_reduction(k) == reduce_fx}, on_step=True,
+                          on_epoch=False, sync_dist=True, reduce_fx=reduce_fx, batch_size=batch_size)
         self.log("reward", float(r.nanmean()), prog_bar=True, on_step=True, on_epoch=False, logger=False,
                  batch_size=batch_size)
 
@@ -351,3 +360,18 @@ class GRPOModule(PolicyModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
         checkpoint["esrl_grpo"] = {"config": asdict(self.grpo), "run_seed": self.run_seed}
+
+
+COUNTS = {"train/bad_rewards"}
+"""Step metrics that count samples: summed over processes, so the logged number is the step's, as ES logs it."""
+
+
+def rank_reduction(key: str) -> str:
+    """How a step metric combines over processes: "sum" for COUNTS, "min" for a ..._min or .../min key, "max"
+    likewise, else "mean"."""
+    if key in COUNTS:
+        return "sum"
+    for reduce_fx in ("min", "max"):
+        if key.endswith((f"_{reduce_fx}", f"/{reduce_fx}")):
+            return reduce_fx
+    return "mean"

@@ -18,7 +18,8 @@ tensor-parallel group of one inside it, so the engines never wait on each other 
 numbers of chunks (tested: 2 processes give the weights of 1 bit for bit). vLLM's `external_launcher` backend is
 not used: it serves ONE model sharded across the ranks, which then must all make the same `generate` calls,
 while ES ranks run different members. Tensor parallelism inside a rank (`vllm_kwargs.tensor_parallel_size`)
-together with several Lightning ranks is untested here.
+together with several Lightning ranks is untested here, and so are several ranks on GPUs: vLLM's single-process
+executor takes local rank 0 for its device, so every rank's engine may land on GPU 0 (read in vLLM's code, not run).
 
 Prefix caching is off: cached KV blocks from old weights would survive a weight change.
 """

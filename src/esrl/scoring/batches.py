@@ -1,5 +1,5 @@
 """Padded token batches for one scoring forward pass, shared by the score models and the LM judge: padding on
-either side, positions over real tokens, the last real token of each row, and the device the pass runs on."""
+either side, positions over real tokens, the last real token of each row, and the device the pass runs on (`place`)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,18 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def place(modules: Sequence[torch.nn.Module], device: torch.device) -> torch.device:
+    """Move the modules to `device` and say where they are; a "cuda" without an index is the CUDA device current
+    now. Scorers place their models at their first batch, not when built: a training process builds its task, and
+    with it an in-process scorer, before Lightning makes the rank's GPU current, so every rank's scorer would
+    otherwise sit on GPU 0 (and rank N's inputs, sent to its current device, would not meet it there)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    for module in modules:
+        module.to(device)
+    return device
 
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ import torch
 from esrl.errors import ConfigError, ModelNotFoundError
 from esrl.models.loading import DTYPES, load_tokenizer, resolve_model_path
 from esrl.scoring.base import Scorer
-from esrl.scoring.batches import last_token_index, pad_batch, position_ids, resolve_device
+from esrl.scoring.batches import last_token_index, pad_batch, place, position_ids, resolve_device
 
 SAFE_RLHF_TEMPLATE = "BEGINNING OF CONVERSATION: USER: {prompt} ASSISTANT:{response}"
 
@@ -154,9 +154,10 @@ class ScoreModel:
                 f"score model {path!r}: architectures {archs or 'unknown'} are neither a Safe-RLHF score model "
                 "(...ForScore with a score_head) nor a sequence classifier (...ForSequenceClassification)")
         self.append_eos = (self.kind == "safe-rlhf") if append_eos is None else append_eos
-        self.backbone.to(self.device).eval()
+        self.backbone.eval()  # on self.device at the first batch (esrl.scoring.batches.place says why)
         if self.head is not None:
-            self.head.to(self.device).eval()
+            self.head.eval()
+        self._placed: torch.device | None = None
 
     def _load_safe_rlhf(self, resolved: str, config: Any, dtype: torch.dtype) -> None:
         from transformers import AutoModel
@@ -226,7 +227,9 @@ class ScoreModel:
     @torch.inference_mode()
     def score_ids(self, ids: Sequence[Sequence[int]]) -> list[float]:
         input_ids, mask = pad_batch(ids, self.tokenizer.pad_token_id, self.padding_side)
-        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        if self._placed is None:
+            self._placed = place([m for m in (self.backbone, self.head) if m is not None], self.device)
+        input_ids, mask = input_ids.to(self._placed), mask.to(self._placed)
         if self.head is None:  # encoder classifier
             return self.backbone(input_ids=input_ids, attention_mask=mask).logits[:, 0].float().tolist()
         kwargs = {"input_ids": input_ids, "attention_mask": mask}
