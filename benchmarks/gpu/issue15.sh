@@ -3,7 +3,7 @@
 # floor, lowrank, lora, a single member's generate and full mode), then configs/es_conciseness.yaml end to end.
 # Steps run in order of priority, each under its own time limit; everything lands in $OUT.
 #
-#   device run (carry .whl .gpu):  bash benchmarks/gpu/issue15.sh [steps]   steps: next or profile,tests,kernel,tiles,bench1,bench2,sbs,fused,host,prefill,determinism,e2e
+#   device run (carry .whl .gpu):  bash benchmarks/gpu/issue15.sh [steps]   steps: next or profile,tests,kernel,tiles,bench1,bench2,sbs,fused,host,prefill,determinism,memory,e2e
 # E2E_ARGS adds esrl fit flags to e2e (e.g. "--model.rollout.compile fused"); DET_COMPILE=on limits determinism to the
 # recorded path (the default on CUDA); BENCH2_MODES overrides bench2's modes (e.g. single,full).
 # sbs: the same rows side by side in ONE process (es_throughput.py --rounds), so their ratios share the machine's state.
@@ -13,6 +13,7 @@
 # at decode and prefill (`torch_over_kernel`; above KERNEL_ROWS rows a member, ranks over 1 take the torch ops).
 # TILES_S and SBS_S override the tiles and sbs steps' time limits (seconds).
 # host: benchmarks/es_host_work.py (a chunk's load and the update, with and without reusing the load's draws).
+# memory: benchmarks/memory_over_steps.py on CUDA (RSS and allocated memory after each of 300 steps: no growth).
 # prefill: benchmarks/prefill_head.py (a frozen lm_head on the prompts' last positions, by slice or by index).
 # determinism: floor and lowrank, recorded and eager, with esrl's repeatable attention and with any kernel.
 # fused: floor, lowrank and lora with rollout.compile: fused (the step torch.compile'd, then recorded) beside the
@@ -75,6 +76,9 @@ if has determinism; then  # its cost: rollouts free to use any SDPA kernel (cuDN
   for a in repeatable any; do
     (cd benchmarks && timeout 280 python3 es_throughput.py $BENCH --modes floor,lowrank --compile ${DET_COMPILE:-on,off} --repeats 2 --attention $a 2>&1 | grep '^{' | tee "$OUT/bench_attention_$a.jsonl")
   done
+fi
+if has memory; then  # a leak shows as growth over the steps: the recorded decode path, lowrank and lora
+  timeout 240 python3 benchmarks/memory_over_steps.py --device cuda --runs es:lowrank,es:lora --steps 300 --tokenizer "$ESRL_TOKENIZER" 2>&1 | grep '^{' | tee "$OUT/memory_over_steps.jsonl"
 fi
 if has e2e; then
   python3 - <<'PY'
