@@ -1,6 +1,7 @@
-"""Memory over a long run: the process's RSS (and CUDA's allocated memory on a GPU) after every training step of ES
-(each noise mode) and GRPO, so a leak shows as growth with the step count. A paper run is 500-1,000 iterations; the
-figures that matter are the growth from step 10 (everything built, caches warm) to the last step.
+"""Memory and time over a long run: the process's RSS (and CUDA's allocated memory on a GPU) after every training
+step of ES (each noise mode) and GRPO, and each step's seconds, so a leak or work that grows with the history shows
+as growth with the step count. A paper run is 500-1,000 iterations; the figures that matter are the growth from step
+10 (everything built, caches warm) to the last step, and the median step time of steps 11-30 against the last 20.
 
 Real parts: Lightning's Trainer, esrl's modules and engines, the conciseness task; a tiny random Llama by default
 (the embedded SmolLM2 or any model path with --model). Prints one JSON line per run.
@@ -14,7 +15,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import lightning as L
@@ -25,13 +28,18 @@ FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"
 
 
 class StepMemory(L.Callback):
-    """RSS and CUDA allocated memory (MiB) after each training step, after a garbage collection."""
+    """RSS and CUDA allocated memory (MiB) after each training step, after a garbage collection; its seconds."""
 
     def __init__(self):
         self.rss: list[float] = []
         self.cuda: list[float] = []
+        self.seconds: list[float] = []
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        self.start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, *args) -> None:
+        self.seconds.append(time.perf_counter() - self.start)
         gc.collect()
         self.rss.append(psutil.Process().memory_info().rss / 2**20)
         if torch.cuda.is_available():
@@ -71,7 +79,9 @@ def run(algo: str, mode: str, model: str, steps: int, device: str, root: Path) -
     at = sorted({first, max(first, n // 4), max(first, n // 2), n})
     out = {"benchmark": "memory_over_steps", "algo": algo, "mode": mode if algo == "es" else None, "steps": n,
            "rss_mb": {k: round(memory.rss[k - 1], 1) for k in at},
-           "rss_growth_mb": round(memory.rss[-1] - memory.rss[first - 1], 1)}
+           "rss_growth_mb": round(memory.rss[-1] - memory.rss[first - 1], 1),
+           "step_s_early": round(statistics.median(memory.seconds[10:30] or memory.seconds), 4),
+           "step_s_late": round(statistics.median(memory.seconds[-20:]), 4)}
     if memory.cuda:
         out.update(cuda_mb={k: round(memory.cuda[k - 1], 1) for k in at},
                    cuda_growth_mb=round(memory.cuda[-1] - memory.cuda[first - 1], 1))
