@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ESRL, ROOT, run_esrl, write_tiny_config
+from conftest import ESRL, FIXTURES, ROOT, assert_same_tensors, fit_final, load_safetensors, run_esrl, write_tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -99,7 +99,9 @@ def test_sigterm_saves_a_resumable_checkpoint_and_exits_non_zero(slurm_run):
 def test_requeued_job_resumes_into_the_same_folder_with_one_history(slurm_run):
     second, version = slurm_run["second"], slurm_run["version"]
     assert second.returncode == 0, second.stderr[-3000:]
-    assert f"{version}/checkpoints/interrupted.ckpt" in second.stdout + second.stderr  # the newest checkpoint
+    # the newest checkpoint: interrupted.ckpt, or last.ckpt saved at the same step end just after it
+    assert any(f"Restored all states from the checkpoint at {version}/checkpoints/{name}" in second.stderr
+               for name in ("interrupted.ckpt", "last.ckpt")), second.stderr[-3000:]
     assert [p.name for p in (slurm_run["root"] / "lightning_logs").iterdir()] == ["version_0"]
     assert (version / "final" / "model.safetensors").is_file()
     assert not (version / "checkpoints" / "interrupted.ckpt").exists()  # spent once the run finished
@@ -136,6 +138,60 @@ def test_sigint_stops_after_the_step_with_a_checkpoint_and_exit_130(config, tmp_
     assert proc.returncode == 130, out[-3000:]
     assert (checkpoints / "interrupted.ckpt").is_file() and "esrl: SIGINT at step" in out
     assert "Traceback" not in out and not (checkpoints.parent / "final").exists()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(config, tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The config's weights after STEPS steps in one process, never stopped."""
+    return load_safetensors(fit_final(config, tmp_path_factory.mktemp("whole"), "--trainer.max_steps", STEPS))
+
+
+@pytest.mark.parametrize("devices", ["1", "2"])
+def test_a_stop_after_an_epochs_last_step_resumes_to_the_uninterrupted_weights(config, uninterrupted, tmp_path,
+                                                                               monkeypatch, devices):
+    """3 prompts, one a step: a SIGTERM at step 2 (to rank 0 alone) stops after the epoch's last batch. Saved from
+    on_exception, after Lightning counted that batch done, the checkpoint resumed into other weights; saved where
+    ModelCheckpoint saves, it resumes to the weights of the run that never stopped (on one or two processes)."""
+    monkeypatch.setenv("PYTHONPATH", str(FIXTURES))
+    stop = ["--trainer.callbacks+=signal_at_step.SignalAtStep", "--trainer.callbacks.at=2",
+            "--trainer.devices", devices]
+    out = run_esrl("fit", "--config", config, "--trainer.default_root_dir", tmp_path, *stop)
+    assert out.returncode == 143, out.stderr[-3000:]
+    ckpt = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "interrupted.ckpt"
+    assert torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"] == 3
+    resumed = run_esrl("fit", "--config", config, "--trainer.default_root_dir", tmp_path, "--trainer.devices", devices,
+                       "--trainer.max_steps", STEPS, "--ckpt_path", ckpt)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_tensors(uninterrupted, load_safetensors(ckpt.parent.parent / "final" / "model.safetensors"))
+
+
+@pytest.mark.parametrize("to", ["every rank", "rank 0"])
+def test_a_signal_stops_two_ranks_after_one_step_and_they_resume_to_one_process_weights(config, uninterrupted,
+                                                                                        tmp_path, to):
+    """Two processes: a terminal's Ctrl+C reaches every rank, SLURM's trap signals rank 0 alone (its srun task).
+    Either way every rank stops after the same step with interrupted.ckpt and exits 130 / 143. (Lightning's own
+    handler broadcast inside the signal handler: both ways, the two ranks hung with no checkpoint.) Resumed on two
+    ranks to step 5, the weights are those of one process that never stopped."""
+    proc = subprocess.Popen([*ESRL, "fit", "--config", str(config), "--trainer.default_root_dir", str(tmp_path),
+                             "--trainer.devices", "2"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    checkpoints = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
+    wait_for(checkpoints / "step=1.ckpt", proc)
+    if to == "every rank":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        out = proc.communicate(timeout=120)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the ranks hung after the signal: {proc.communicate()[0][-3000:]}")
+    assert proc.returncode == (130 if to == "every rank" else 143), out[-3000:]
+    assert (checkpoints / "interrupted.ckpt").is_file() and "Traceback" not in out
+    resumed = run_esrl("fit", "--config", config, "--trainer.default_root_dir", tmp_path, "--trainer.devices", "2",
+                       "--trainer.max_steps", STEPS, "--ckpt_path", checkpoints / "interrupted.ckpt")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_tensors(uninterrupted, load_safetensors(checkpoints.parent / "final" / "model.safetensors"))
 
 
 def test_resume_with_other_hyperparameters_is_one_line_listing_each(slurm_run, config, tmp_path):

@@ -6,8 +6,13 @@ SIGTERMException, a SystemExit with code 0: a scheduler would read an interrupte
 
 - SIGINT (Ctrl+C) is turned into that same graceful stop (the SIGTERM Lightning handles); a second Ctrl+C
   raises KeyboardInterrupt at once (the per-step checkpoints, if any, stay the way to resume).
-- On SIGTERMException (a step boundary, so the state is consistent), `<run dir>/checkpoints/interrupted.ckpt`
-  is saved through `trainer.save_checkpoint`; `esrl fit` then exits 143 (SIGTERM) or 130 (SIGINT).
+- Both are only noted when they arrive, and handed to Lightning's SIGTERM handler at the end of a step, on every
+  rank at once: the ranks first agree (a max over ranks) on whether any of them got one. Lightning's handler
+  broadcasts inside the signal handler, wherever each rank happens to be, and a terminal's Ctrl+C or SLURM's
+  SIGTERM reaches every rank while rank 0 also forwards it to the others: two processes hung there with their
+  collectives out of step (tests/test_resume.py -k ranks). A signal to rank 0 alone stops every rank too.
+- At that step's end `<run dir>/checkpoints/interrupted.ckpt` is saved through `trainer.save_checkpoint`, where
+  ModelCheckpoint saves, then Lightning raises SIGTERMException; `esrl fit` exits 143 (SIGTERM) or 130 (SIGINT).
 - SLURM (slurm/fit.sbatch): the batch shell traps the time limit's warning (SIGUSR1), sends SIGTERM to the
   tasks (so this checkpoint is saved at a step boundary) and requeues the job, which resumes from the newest
   checkpoint. Lightning's own auto_requeue is off there: it saves inside its signal handler, mid-step.
@@ -19,17 +24,18 @@ SIGTERMException, a SystemExit with code 0: a scheduler would read an interrupte
 from __future__ import annotations
 
 import csv
-import os
 import signal
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 EXIT_CODES = {"SIGTERM": 143, "SIGINT": 130}
+SIGNALS = (None, "SIGTERM", "SIGINT")  # by strength: a Ctrl+C on any rank names the stop SIGINT on all
 BEFORE_RESUME = "metrics.csv.before-resume"
 CHECKPOINT = "interrupted.ckpt"
 interrupted_by: str | None = None  # the signal that stopped the last fit in this process (read by esrl.cli)
@@ -55,32 +61,64 @@ class Interruption(L.Callback):
     """Signals end a fit in a resumable state; a resumed run continues the run folder's metrics.csv."""
 
     def __init__(self) -> None:
-        self._sigint_previous: Any = None
+        self._lightning_sigterm: Any = None
+        self._announce = True
+        self._saved_at: int | None = None
+        self._pending = 0  # the strongest signal noted on this rank since the fit started (SIGNALS' index)
 
     def on_train_start(self, trainer, pl_module) -> None:
         global interrupted_by
         interrupted_by = None
+        self._pending = 0
+        self._saved_at = None
+        self._announce = trainer.is_global_zero  # one "stopping" line for a terminal's Ctrl+C to every rank
         # After Lightning registered its handlers (it restores the previous ones at teardown).
         if _main_thread():
-            self._sigint_previous = signal.signal(signal.SIGINT, self._on_sigint)
+            self._lightning_sigterm = signal.signal(signal.SIGTERM, self._on_signal)
+            signal.signal(signal.SIGINT, self._on_signal)
 
-    def _on_sigint(self, signum, frame) -> None:
+    def _on_signal(self, signum, frame) -> None:
+        """Only noted here: handed to Lightning at the end of the step (on_train_batch_end)."""
+        name = signal.Signals(signum).name
+        if name == "SIGINT":
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl+C stops at once
+            if self._announce:
+                print("esrl: SIGINT: stopping after this step with a resumable checkpoint (Ctrl+C again to stop "
+                      "now)", flush=True)
+        self._pending = max(self._pending, SIGNALS.index(name))
+
+    def on_train_batch_end(self, trainer, pl_module, *args) -> None:
         global interrupted_by
-        interrupted_by = "SIGINT"
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl+C stops at once
-        print("esrl: SIGINT: stopping after this step with a resumable checkpoint (Ctrl+C again to stop now)",
-              flush=True)
-        os.kill(os.getpid(), signal.SIGTERM)  # Lightning's graceful stop
+        pending = self._pending
+        if trainer.world_size > 1:  # every rank stops after the same step, naming the same signal
+            flag = torch.tensor(pending, device=trainer.strategy.root_device)
+            pending = int(trainer.strategy.reduce(flag, reduce_op="max"))
+        if not pending:
+            return
+        interrupted_by = SIGNALS[pending]
+        self._save(trainer, pl_module)
+        if callable(self._lightning_sigterm):  # Lightning's graceful stop, on every rank at once
+            self._lightning_sigterm(signal.SIGTERM, None)
+        else:
+            raise SIGTERMException()
+
+    def _save(self, trainer, pl_module) -> None:
+        """interrupted.ckpt, saved where ModelCheckpoint saves (the end of a step's batch). Saved later, from
+        on_exception, after Lightning has counted the batch done, a stop after an epoch's last batch resumed into
+        other weights than the uninterrupted run (tests/test_resume.py -k epoch)."""
+        path = pl_module.run_dir() / "checkpoints" / CHECKPOINT
+        trainer.save_checkpoint(path)
+        self._saved_at = trainer.global_step
+        rank_zero_info(f"esrl: {interrupted_by} at step {trainer.global_step}: saved {path}; resume with "
+                       f"--ckpt_path {path}")
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         global interrupted_by
         if not isinstance(exception, SIGTERMException):
             return
         interrupted_by = interrupted_by or "SIGTERM"
-        path = pl_module.run_dir() / "checkpoints" / CHECKPOINT
-        trainer.save_checkpoint(path)
-        rank_zero_info(f"esrl: {interrupted_by} at step {trainer.global_step}: saved {path}; resume with "
-                       f"--ckpt_path {path}")
+        if self._saved_at != trainer.global_step:  # a stop that came another way than on_train_batch_end
+            self._save(trainer, pl_module)
 
     def on_fit_end(self, trainer, pl_module) -> None:
         """The run finished: its interrupted.ckpt is spent (a restarted job must not resume from it)."""
