@@ -165,6 +165,26 @@ def test_a_stop_after_an_epochs_last_step_resumes_to_the_uninterrupted_weights(c
     assert_same_tensors(uninterrupted, load_safetensors(ckpt.parent.parent / "final" / "model.safetensors"))
 
 
+def test_a_stop_inside_an_accumulation_window_waits_for_its_optimizer_step(tiny_model, tmp_path, monkeypatch):
+    """GRPO rolls a window's prompts out at its first micro-batch, so a checkpoint inside the window cannot resume
+    it (the resumed run crashed: no rollouts for the window's second micro-batch). A SIGTERM during step 1's first
+    micro-batch stops after step 2's optimizer step; resumed, the weights are those of the run that never stopped."""
+    monkeypatch.setenv("PYTHONPATH", str(FIXTURES))
+    config = write_tiny_config(tmp_path / "grpo.yaml", tiny_model, max_steps=3, grpo={"num_generations": 4},
+                               rollout={"temperature": 1.0}, trainer={**CHECKPOINTS, "accumulate_grad_batches": 2})
+    whole = fit_final(config, tmp_path / "whole", "--algo", "grpo")
+    stopped = tmp_path / "stopped"
+    out = run_esrl("fit", "--config", config, "--algo", "grpo", "--trainer.default_root_dir", stopped,
+                   "--trainer.callbacks+=signal_at_step.SignalAtStep", "--trainer.callbacks.at=1")
+    assert out.returncode == 143, out.stderr[-3000:]
+    ckpt = stopped / "lightning_logs" / "version_0" / "checkpoints" / "interrupted.ckpt"
+    assert torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"] == 2
+    resumed = run_esrl("fit", "--config", config, "--algo", "grpo", "--trainer.default_root_dir", stopped,
+                       "--ckpt_path", ckpt)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_tensors(load_safetensors(whole), load_safetensors(ckpt.parent.parent / "final" / "model.safetensors"))
+
+
 @pytest.mark.parametrize("to", ["every rank", "rank 0"])
 def test_a_signal_stops_two_ranks_after_one_step_and_they_resume_to_one_process_weights(config, uninterrupted,
                                                                                         tmp_path, to):

@@ -6,8 +6,9 @@ SIGTERMException, a SystemExit with code 0: a scheduler would read an interrupte
 
 - SIGINT (Ctrl+C) is turned into that same graceful stop (the SIGTERM Lightning handles); a second Ctrl+C
   raises KeyboardInterrupt at once (the per-step checkpoints, if any, stay the way to resume).
-- Both are only noted when they arrive, and handed to Lightning's SIGTERM handler at the end of a step, on every
-  rank at once: the ranks first agree (a max over ranks) on whether any of them got one. Lightning's handler
+- Both are only noted when they arrive, and handed to Lightning's SIGTERM handler at the end of a step (an
+  optimizer step: GRPO's micro-batches of one accumulation window run on, as a checkpoint inside the window,
+  without the window's rollouts, could not resume, tests/test_resume.py -k window), on every rank at once: the ranks first agree (a max over ranks) on whether any of them got one. Lightning's handler
   broadcasts inside the signal handler, wherever each rank happens to be, and a terminal's Ctrl+C or SLURM's
   SIGTERM reaches every rank while rank 0 also forwards it to the others: two processes hung there with their
   collectives out of step (tests/test_resume.py -k ranks). A signal to rank 0 alone stops every rank too.
@@ -64,6 +65,7 @@ class Interruption(L.Callback):
         self._lightning_sigterm: Any = None
         self._announce = True
         self._saved_at: int | None = None
+        self._step_before = -1
         self._pending = 0  # the strongest signal noted on this rank since the fit started (SIGNALS' index)
 
     def on_train_start(self, trainer, pl_module) -> None:
@@ -87,8 +89,13 @@ class Interruption(L.Callback):
                       "now)", flush=True)
         self._pending = max(self._pending, SIGNALS.index(name))
 
+    def on_train_batch_start(self, trainer, pl_module, *args) -> None:
+        self._step_before = trainer.global_step
+
     def on_train_batch_end(self, trainer, pl_module, *args) -> None:
         global interrupted_by
+        if trainer.global_step == self._step_before:
+            return  # inside an accumulation window: its rollouts are in no checkpoint, so stop after its last batch
         pending = self._pending
         if trainer.world_size > 1:  # every rank stops after the same step, naming the same signal
             flag = torch.tensor(pending, device=trainer.strategy.root_device)
