@@ -202,3 +202,50 @@ def test_vllm_sleep_without_a_gpu_is_one_config_error(tiny_lm):
     with pytest.raises(ConfigError) as err:
         build_engine(RolloutConfig(engine="vllm", vllm_sleep=True), tiny_lm, load_tokenizer("smollm2-135m-instruct"))
     assert "model.rollout.vllm_sleep" in str(err.value) and "cpu" in str(err.value) and "\n" not in str(err.value)
+
+
+def _rank_kwargs(rank: int, store: str, results) -> None:
+    """One of two Gloo ranks: what rank_engine_kwargs gives, and what it refuses."""
+    import os
+
+    import torch.distributed as dist
+
+    from esrl.rollout import RolloutConfig
+    from esrl.rollout.vllm import rank_engine_kwargs
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        kwargs = rank_engine_kwargs(RolloutConfig(engine="vllm"))
+        try:
+            rank_engine_kwargs(RolloutConfig(engine="vllm", vllm_kwargs={"tensor_parallel_size": 2}))
+            refused = ""
+        except ConfigError as err:
+            refused = str(err)
+        results.put((rank, kwargs, os.environ["RANK"], refused))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_each_of_several_ranks_gets_the_external_launcher_with_its_own_rank(tmp_path):
+    """With several ranks the engine runs on vLLM's external_launcher (as TRL's colocate mode), which reads the
+    rank's RANK and LOCAL_RANK: its device is then the rank's own, not device 0. Tensor parallelism across ranks
+    that run different members is refused in one line; one process gets no extra arguments. (The device placement
+    itself needs two GPUs and vLLM built for them: checked on the CPU only.)"""
+    import torch.multiprocessing as mp
+
+    from esrl.rollout import RolloutConfig
+    from esrl.rollout.vllm import rank_engine_kwargs
+
+    assert rank_engine_kwargs(RolloutConfig(engine="vllm")) == {}
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank_kwargs, args=(r, str(tmp_path / "store"), results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    for rank, (r, kwargs, env_rank, refused) in enumerate(got):
+        assert (r, kwargs, env_rank) == (rank, {"distributed_executor_backend": "external_launcher"}, str(rank))
+        assert "tensor_parallel_size: 2 with 2 ranks" in refused and "\n" not in refused

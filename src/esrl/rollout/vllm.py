@@ -12,14 +12,13 @@ in-memory adapter (`add_adapters`) registered straight into the worker's adapter
 itself. `set_default_adapter` puts one adapter on every plain generate. Sleep mode (`rollout.vllm_sleep`, GPU
 only): level 1 between GRPO's rollouts and its next use.
 
-Several ranks (`trainer.devices: N`): every Lightning process builds its own in-process engine. vLLM finds the
-process group Lightning already initialised and reuses it instead of starting its own: each rank becomes a
-tensor-parallel group of one inside it, so the engines never wait on each other and ranks may run different
-numbers of chunks (tested: 2 processes give the weights of 1 bit for bit). vLLM's `external_launcher` backend is
-not used: it serves ONE model sharded across the ranks, which then must all make the same `generate` calls,
-while ES ranks run different members. Tensor parallelism inside a rank (`vllm_kwargs.tensor_parallel_size`)
-together with several Lightning ranks is untested here, and so are several ranks on GPUs: vLLM's single-process
-executor takes local rank 0 for its device, so every rank's engine may land on GPU 0 (read in vLLM's code, not run).
+Several ranks (`trainer.devices: N`): every Lightning process builds its own in-process engine on vLLM's
+`external_launcher` backend, as TRL's colocate mode does: vLLM reuses the process group Lightning already
+initialised, each rank is a tensor-parallel group of one (so the engines never wait on each other and ranks may run
+different numbers of chunks; tested: 2 processes give the weights of 1 bit for bit), and the engine takes the device
+of LOCAL_RANK, set from the rank's current CUDA device. vLLM's default single-process executor would put every rank's
+engine on device 0. Tensor parallelism inside a rank (`vllm_kwargs.tensor_parallel_size` > 1) with several ranks is
+refused: external_launcher would shard one engine across ranks that generate different members.
 
 Prefix caching is off: cached KV blocks from old weights would survive a weight change.
 """
@@ -75,6 +74,23 @@ def sampled_logprobs(token_ids: list[int], logprobs) -> list[float]:
         entry = pos.get(tok) if pos is not None else None
         out.append(float("nan") if entry is None or entry.logprob is None else float(entry.logprob))
     return out
+
+
+def rank_engine_kwargs(config: RolloutConfig) -> dict[str, Any]:
+    """vllm.LLM arguments for one of several ranks: the external_launcher backend, with RANK and LOCAL_RANK (read
+    by it) set to this rank's; none when one process runs."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return {}
+    tp = int((config.vllm_kwargs or {}).get("tensor_parallel_size", 1))
+    if tp > 1:
+        raise ConfigError(f"model.rollout.vllm_kwargs.tensor_parallel_size: {tp} with {dist.get_world_size()} "
+                          "ranks is not supported (each rank's engine runs its own members); use "
+                          "trainer.devices: 1 with tensor parallelism, or tensor_parallel_size: 1")
+    local_rank = torch.cuda.current_device() if torch.cuda.is_available() else int(os.environ.get("LOCAL_RANK", 0))
+    os.environ["RANK"], os.environ["LOCAL_RANK"] = str(dist.get_rank()), str(local_rank)
+    return {"distributed_executor_backend": "external_launcher"}
 
 
 def vllm_available() -> bool:
@@ -134,6 +150,7 @@ class VLLMEngine(RolloutEngine):
         self.adapters = adapters
         if adapters is not None:  # row adapters (e.g. ES lowrank / lora members): LoRA on
             kwargs.update(lora_engine_kwargs(adapters, self.config))
+        kwargs.update(rank_engine_kwargs(self.config))
         kwargs.update(self.config.vllm_kwargs or {})
         kwargs.update(extra)
         self.llm = LLM(**kwargs)
