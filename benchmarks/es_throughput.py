@@ -226,6 +226,9 @@ def main() -> None:
     ap.add_argument("--compiled-terms", choices=["kernel", "torch"], default="kernel",
                     help="how a torch.compile'd step (--compile fused) adds the ES terms: esrl's Triton kernel, or "
                          "products and sums Inductor can fuse (esrl.es.lowrank_kernel.COMPILED_TERMS)")
+    ap.add_argument("--gemm-outs", type=int, default=None,
+                    help="decode terms above rank 1 of linears at least this wide by one block-diagonal GEMM instead "
+                         "of the kernel (esrl.es.lowrank_kernel.GEMM_OUTS; default off)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
@@ -233,6 +236,7 @@ def main() -> None:
         from esrl.es import lowrank_kernel
 
         lowrank_kernel.COMPILED_TERMS = args.compiled_terms
+        lowrank_kernel.GEMM_OUTS = args.gemm_outs
         if args.attention == "any":
             from torch.nn.attention import SDPBackend
 
@@ -247,13 +251,14 @@ def main() -> None:
                "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
                "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                "model": args.model, "dtype": args.dtype, "attention": args.attention,
-               "compiled_terms": args.compiled_terms}
+               "compiled_terms": args.compiled_terms, "gemm_outs": args.gemm_outs}
     print(json.dumps({"machine": machine}))
     passthrough = [f"--members={args.members}", f"--new-tokens={args.new_tokens}", f"--rank={args.rank}",
                    f"--lora-rank={args.lora_rank}", f"--repeats={args.repeats}", f"--full-members={args.full_members}",
                    f"--prompts={args.prompts}", f"--model={args.model}", f"--device={args.device}",
                    f"--dtype={args.dtype}", f"--tokenizer={args.tokenizer}", f"--attention={args.attention}",
-                   f"--compiled-terms={args.compiled_terms}"]
+                   f"--compiled-terms={args.compiled_terms}"] + (
+                      [f"--gemm-outs={args.gemm_outs}"] if args.gemm_outs is not None else [])
     compiles = args.compile.split(",")
     if not set(compiles) <= {"off", "auto", "on", "fused"}:
         ap.error(f"--compile: off, auto, on or fused (comma-separated), got {args.compile!r}")

@@ -152,3 +152,57 @@ def test_the_fusable_terms_sum_in_fp32_and_round_once(rank, factor_dtype):
     fp32 = ys.float()
     _fusable_add_(fp32, xs, a_t, b_t)
     assert ((fp32.double() - want).abs() <= want.abs() * 1e-5 + 1e-5).all()
+
+
+@pytest.mark.parametrize("factor_dtype", [torch.bfloat16, torch.float32])
+def test_the_block_diagonal_gemm_terms_lie_within_the_torch_ops_rounding(factor_dtype):
+    """`_gemm_add_` (GEMM_OUTS: every member's out-side factors in one dense GEMM, x.B on the diagonal blocks of
+    zeros): each row sums its own member's products only, so bf16 outputs lie within the torch ops' two roundings of
+    the fp64 answer, and fp32 ones within fp32's error."""
+    from esrl.es.lowrank_kernel import _gemm_add_
+
+    ys, xs, a_t, b_t = _inputs(8, torch.bfloat16, factor_dtype, m=4, n=5)
+    want = ys.double() + torch.bmm(torch.bmm(xs.double(), b_t.double().transpose(1, 2)), a_t.double())
+    scale = ys.double().abs() + torch.bmm(torch.bmm(xs.double().abs(), b_t.double().abs().transpose(1, 2)),
+                                          a_t.double().abs())
+    got = ys.clone()
+    _gemm_add_(got, xs, a_t, b_t)
+    assert got.dtype == torch.bfloat16 and not torch.equal(got, ys)
+    assert ((got.double() - want).abs() <= (want.abs() + scale) * 2 ** -8).all()
+    fp32 = ys.float()
+    _gemm_add_(fp32, xs.float(), a_t.float(), b_t.float())
+    assert ((fp32.double() - want).abs() <= scale * 1e-6).all()
+
+
+GEMM_CHILD = """
+import torch
+import esrl.es.lowrank_kernel as lk
+calls = []
+gemm = lk._gemm_add_
+lk._gemm_add_ = lambda ys, *rest: (calls.append(ys.shape[-1]), gemm(ys, *rest))
+lk.GEMM_OUTS = 100
+out = {}
+for rank in (8, 1):
+    g = torch.Generator().manual_seed(rank)
+    randn = lambda *shape: (torch.randn(*shape, generator=g) * 0.1).bfloat16()
+    xs = randn(3, 2, 50)
+    terms = [(randn(3, 2, w), randn(3, rank, w), randn(3, rank, 50)) for w in (70, 150)]
+    got = [ys.clone() for ys, _, _ in terms]
+    lk.lowrank_add_linears_([(y, a, b) for y, (_, a, b) in zip(got, terms)], xs)
+    alone = [ys.clone() for ys, _, _ in terms]
+    lk.lowrank_add_(alone[0], xs, *terms[0][1:], tiles={})  # the kernel
+    gemm(alone[1], xs, *terms[1][1:])
+    out[rank] = (list(calls), [torch.equal(a, b) for a, b in zip(got, alone)])
+    calls.clear()
+print(repr(out))
+"""
+
+
+def test_with_gemm_outs_wide_linears_above_rank_1_take_the_gemm_and_the_rest_the_kernel():
+    """GEMM_OUTS = 100 in Triton's interpreter: of two linears sharing an input at rank 8, the 150-wide one takes the
+    GEMM and the 70-wide one the kernel, each with the sums it gives alone; rank 1 keeps the kernel for both."""
+    done = subprocess.run([sys.executable, "-c", GEMM_CHILD], env={**os.environ, "TRITON_INTERPRET": "1"},
+                          check=True, timeout=300, capture_output=True, text=True)
+    out = eval(done.stdout.strip().splitlines()[-1])
+    assert out[8] == ([150], [True, True]), out
+    assert out[1][0] == [] and out[1][1][0], out

@@ -214,6 +214,33 @@ def test_a_signal_stops_two_ranks_after_one_step_and_they_resume_to_one_process_
     assert_same_tensors(uninterrupted, load_safetensors(checkpoints.parent / "final" / "model.safetensors"))
 
 
+@pytest.mark.parametrize("devices", ["1", "2"])
+def test_a_signal_during_the_evaluation_before_training_stops_after_the_first_step(config, tmp_path, monkeypatch,
+                                                                                     devices):
+    """The configs list Evaluation among the trainer's callbacks, ahead of the module's Interruption, so a signal
+    during the evaluation before training (minutes on a large model) reached Lightning's own handler, which
+    broadcasts from inside it wherever the ranks are, the evaluation's own collectives included (two ranks: here
+    both happened to be between collectives and stopped at step 0, through that broadcast). Now the evaluation runs at
+    the first step's start, after every on_train_start: the stop is noted and taken after step 1, with
+    interrupted.ckpt and exit 143, on one rank or two."""
+    monkeypatch.setenv("PYTHONPATH", str(FIXTURES))
+    proc = subprocess.Popen([*ESRL, "fit", "--config", str(config), "--trainer.default_root_dir", str(tmp_path),
+                             "--trainer.devices", devices,
+                             "--trainer.callbacks+=signal_at_step.SignalDuringEvaluation"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        out = proc.communicate(timeout=240)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the ranks hung after the signal: {proc.communicate()[0][-3000:]}")
+    assert proc.returncode == 143, out[-3000:]
+    ckpt = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "interrupted.ckpt"
+    assert torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"] == 1, out[-5000:]
+    evaluations = (ckpt.parent.parent / "eval.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in evaluations] == [0], out[-3000:]
+
+
 def test_resume_with_other_hyperparameters_is_one_line_listing_each(slurm_run, config, tmp_path):
     ckpt = slurm_run["version"] / "checkpoints" / "step=1.ckpt"
     out = run_esrl("fit", "--config", config, "--ckpt_path", ckpt, "--trainer.default_root_dir", tmp_path,

@@ -10,7 +10,10 @@
 # tiles: benchmarks/gpu/lowrank_tiles.py (the member-term kernel's block sizes, per 1.5B projection, rank 1 and 8).
 # kernel: the same, launch_plan's blocks only, side by side: lora's rank-8 factors in bf16 (its buffers) or fp32, q, k
 # and v's terms in one launch or three (`one_over_three`, `ms_saved_per_step`), and the torch ops against the kernel
-# at decode and prefill (`torch_over_kernel`; above KERNEL_ROWS rows a member, ranks over 1 take the torch ops).
+# at decode and prefill (`torch_over_kernel`; above KERNEL_ROWS rows a member, ranks over 1 take the torch ops), and the
+# block-diagonal GEMM (`gemm_over_kernel`, per projection in best_per_shape: what GEMM_OUTS should be). KERNEL_ARGS
+# overrides its ranks and factor dtypes.
+# SBS_ARGS adds es_throughput.py flags to sbs (e.g. "--gemm-outs 8960").
 # TILES_S, SBS_S and TESTS_S override the tiles, sbs and tests steps' time limits (seconds).
 # host: benchmarks/es_host_work.py (a chunk's load and the update, with and without reusing the load's draws).
 # memory: benchmarks/memory_over_steps.py on CUDA (RSS and allocated memory after each of 300 steps: no growth).
@@ -20,14 +23,15 @@
 # recorded-only path, in one call each so their ratios are side by side; the fused step once with esrl's kernel for the
 # member terms and once with products and sums Inductor fuses (es_throughput.py --compiled-terms); FUSED_VARIANTS
 # picks among on:kernel,fused:kernel,fused:torch (each up to ~3 minutes).
-# next: what the next device session runs first within its 15 minutes (about 10 with the machine's start): the fused
-# step with the kernel and with Inductor's terms (what decides issue 15's open lever), then the GPU tests.
+# next: what the next device session runs first within its 15 minutes (about 10 with the machine's start): the kernel
+# step at rank 8 (the GEMM against the kernel, ~1 minute), the fused step with the kernel and with Inductor's terms
+# (issue 15's open levers for lora), then the GPU tests in what is left.
 # .whl holds the wheels the GPU image lacks (jsonargparse, docstring-parser, typeshed-client); .gpu/tok the
 # embedded model's config and tokenizer files (no weights).
 set -uo pipefail
 STEPS=${1:-profile,tests,bench1,bench2,e2e}
 NEXT=""; [ "$STEPS" = next ] && { NEXT=1; STEPS=tests,fused; FUSED_VARIANTS=${FUSED_VARIANTS:-fused:kernel,fused:torch}
-  TESTS_S=${TESTS_S:-200}; }  # ~3 minutes a fused variant (session 22), the tests in what is left of a 600 s call
+  TESTS_S=${TESTS_S:-130}; }  # ~3 minutes a fused variant (session 22), the tests in what is left of a 600 s call
 OUT=${OUT:-/tmp/esrl_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
@@ -44,17 +48,19 @@ fused() {  # recorded only; torch.compile'd with the Triton kernel; torch.compil
     (cd benchmarks && timeout 280 python3 es_throughput.py $BENCH --modes floor,lowrank,lora --compile ${v%:*} --compiled-terms ${v#*:} --repeats 2 2>&1 | tee "$OUT/bench_${v/:/_}.log" | grep '^{')
   done
 }
-[ -n "$NEXT" ] && fused  # first: the measurement the session is for
+kernel() {  # launch_plan's blocks, the torch ops and the block-diagonal GEMM side by side, per projection
+  timeout ${KERNEL_S:-240} python3 benchmarks/gpu/lowrank_tiles.py ${KERNEL_ARGS:---ranks 1,8 --factor-dtypes bfloat16,float32} \
+    --default-only 2>&1 | quiet | tee "$OUT/lowrank_kernel.jsonl" | grep -E '"best"|"qkv"|Error'
+}
+# first: the measurements the session is for (lora's two open levers: the GEMM at rank 8, Inductor's fused terms)
+[ -n "$NEXT" ] && { KERNEL_ARGS="--ranks 8 --factor-dtypes bfloat16" KERNEL_S=90 kernel; fused; }
 if has profile; then
   timeout 150 python3 benchmarks/gpu/decode_profile.py 2>&1 | quiet | tee "$OUT/decode_profile.log"
 fi
 if has tests; then
   timeout ${TESTS_S:-420} python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider --durations=8 2>&1 | quiet | tee "$OUT/gpu_tests.log" | tail -15
 fi
-if has kernel; then
-  timeout 240 python3 benchmarks/gpu/lowrank_tiles.py --ranks 1,8 --factor-dtypes bfloat16,float32 --default-only 2>&1 \
-    | quiet | tee "$OUT/lowrank_kernel.jsonl" | grep -E '"best"|"qkv"|Error'
-fi
+has kernel && kernel
 if has tiles; then  # block sizes of the member-term kernel: each candidate timed per projection, the best beside the default
   timeout ${TILES_S:-300} python3 benchmarks/gpu/lowrank_tiles.py ${TILES_ARGS:-} 2>&1 | quiet | tee "$OUT/lowrank_tiles.jsonl" | grep -E '"best"|Error'
 fi
@@ -66,7 +72,7 @@ if has bench2; then
   (cd benchmarks && timeout 240 python3 es_throughput.py $BENCH --modes ${BENCH2_MODES:-lora,single,full} --compile on --repeats 2 --full-members 3 2>&1 | tee "$OUT/bench_compiled2.log" | grep '^{')
 fi
 if has sbs; then  # the ratios side by side: floor, lowrank, lora and one member's rows in one process, 3 rounds
-  (cd benchmarks && timeout ${SBS_S:-400} python3 es_throughput.py $BENCH --modes floor,lowrank,lora,single --compile on --rounds 3 2>&1 | tee "$OUT/bench_sbs.log" | grep '^{')
+  (cd benchmarks && timeout ${SBS_S:-400} python3 es_throughput.py $BENCH --modes floor,lowrank,lora,single --compile on --rounds 3 ${SBS_ARGS:-} 2>&1 | tee "$OUT/bench_sbs.log" | grep '^{')
 fi
 if has host; then  # the iteration's work around its generate: loads and update, factors drawn once or twice
   (cd benchmarks && timeout 150 python3 es_host_work.py --model random:qwen2.5-1.5b --device cuda --rounds 5 2>&1 | tee "$OUT/host_work.log" | grep '^{')

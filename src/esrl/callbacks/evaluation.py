@@ -58,7 +58,10 @@ class Evaluation(L.Callback):
         self._base = None
 
     # -- hooks ---------------------------------------------------------------------------------------
-    def on_train_start(self, trainer, module) -> None:
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        """The evaluation before training, at the first step's start rather than on_train_start: after every
+        on_train_start (the module's restored state, the Interruption callback's signal handlers), so a signal during
+        it stops the run after step 1 with a checkpoint (tests/test_resume.py -k during_the_evaluation)."""
         if self.before and trainer.global_step == 0:
             self._run(trainer, module, "before")
 

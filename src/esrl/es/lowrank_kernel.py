@@ -100,6 +100,14 @@ linear. On an H100 the fused step with "kernel" added what the recorded one adds
 1.34 s floor (session 22); "torch" is not timed yet: `es_throughput.py --compile fused --compiled-terms torch`."""
 
 
+GEMM_OUTS: int | None = None
+"""Off (None), or an output width from which a decode step's terms at ranks above 1 take `_gemm_add_` instead of the
+kernel: the out-side factors of all members read once by one dense GEMM, where the kernel re-reads its member's
+per row from L2 (at rank 8, 143 KB a row for gate_proj: 11 us a call against rank 1's 3.6 us, H100, session 22). Not
+timed on a GPU yet: `benchmarks/gpu/lowrank_tiles.py` times it beside the kernel per projection (`gemm_over_kernel`),
+`es_throughput.py --gemm-outs` in the decode path."""
+
+
 def launch_plan(rank: int, rows_per_member: int, n_outs: tuple[int, ...], tiles: dict | None = None):
     """(kernel, grid as a function of the member count, compile-time constants, launch options) for one launch over
     the linears whose output sizes are `n_outs` (1 to MAX_LINEARS, one input). The one definition of the block
@@ -149,6 +157,13 @@ def lowrank_add_linears_(terms: list[tuple[torch.Tensor, torch.Tensor, torch.Ten
     rank = terms[0][1].shape[1]
     on_kernel = triton is not None and (terms[0][0].is_cuda or INTERPRETED) and (
         kernel_takes(rank, n) or tiles is not None)
+    if on_kernel and GEMM_OUTS is not None and rank > 1 and tiles is None:
+        wide = [t for t in terms if t[0].shape[-1] >= GEMM_OUTS and t[0].is_contiguous()]
+        for ys, a_t, b_t in wide:
+            _gemm_add_(ys, xs, a_t, b_t)
+        terms = [t for t in terms if all(t is not w for w in wide)]
+        if not terms:
+            return
     if on_kernel and all(t[0].is_contiguous() for t in terms):
         xs = xs.reshape(m * n, xs.shape[-1])
         if xs.stride(-1) != 1:
@@ -178,6 +193,23 @@ def _torch_add_(ys: torch.Tensor, xs: torch.Tensor, a_t: torch.Tensor, b_t: torc
         ys.addcmul_(torch.bmm(xs, b_t.transpose(1, 2)), a_t)
     else:
         ys.baddbmm_(torch.bmm(xs, b_t.transpose(1, 2)), a_t)
+
+
+def _gemm_add_(ys: torch.Tensor, xs: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor) -> None:
+    """The terms by dense GEMMs that read each factor once: c = x.B per member (bmm, rounded to ys's dtype as the
+    torch ops round it), placed on the diagonal blocks of a (rows, members x rank) matrix of zeros, times every
+    member's out-side factors stacked (members x rank, out), added to ys in place. The zeros add exact zeros, so each
+    row sums its own member's rank products; the GEMM does members-fold the needed products, which tensor cores
+    absorb at decode's few rows."""
+    m, n, r = ys.shape[0], ys.shape[1], a_t.shape[1]
+    c = torch.bmm(xs.to(a_t.dtype), b_t.transpose(1, 2))  # (M, n, r); fp32 factors: computed there, added once
+    blocks = c.new_zeros(m, n, m, r)
+    torch.diagonal(blocks, dim1=0, dim2=2).copy_(c.permute(1, 2, 0))  # the diagonal view is (n, r, M)
+    rows, stacked = blocks.view(m * n, m * r), a_t.reshape(m * r, -1)
+    if a_t.dtype == ys.dtype:
+        ys.view(m * n, -1).addmm_(rows, stacked)
+    else:
+        ys.view(m * n, -1).add_(torch.mm(rows, stacked).to(ys.dtype))
 
 
 def _fusable_add_(ys: torch.Tensor, xs: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor) -> None:
