@@ -140,3 +140,29 @@ def _load_base(model: str):
     from esrl.models.loading import load_causal_lm
 
     return load_causal_lm(model)
+
+
+def test_grpo_on_two_processes_keeps_each_ranks_vllm_engine_equal_to_its_policy(tiny_model, tmp_path, monkeypatch):
+    """`--trainer.devices 2` with vLLM rollouts: each rank builds its engine on vLLM's external_launcher backend
+    (RANK and LOCAL_RANK its own: on GPUs, its own device) and, after every optimizer step, holds that rank's policy
+    weights (DDP keeps the ranks' policies equal); the step moved them."""
+    import json
+    from pathlib import Path
+
+    from conftest import load_safetensors, run_esrl, write_tiny_config
+
+    config = write_tiny_config(tmp_path / "grpo.yaml", tiny_model, max_steps=2, prompts_per_step=2,
+                               grpo={"num_generations": 4, "learning_rate": 3e-2},
+                               rollout={"engine": "vllm", "temperature": 1.0, "max_batch_size": 8,
+                                        "vllm_kwargs": {"max_model_len": 256, "kv_cache_memory_bytes": 64 << 20}})
+    monkeypatch.setenv("PYTHONPATH", str(FIXTURES))
+    out = run_esrl("fit", "--config", config, "--algo", "grpo", "--trainer.devices", "2",
+                   "--trainer.default_root_dir", tmp_path / "run",
+                   "--trainer.callbacks+=engine_check.EngineHoldsPolicy", f"--trainer.callbacks.out={tmp_path}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank, record in enumerate(records):
+        assert record == {"rank": rank, "step": 2, "equal": True, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+    final = load_safetensors(next((tmp_path / "run").rglob("final/model.safetensors")))
+    base = load_safetensors(Path(tiny_model) / "model.safetensors")
+    assert any(not torch.equal(final[k], base[k]) for k in base)
