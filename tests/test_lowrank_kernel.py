@@ -174,6 +174,24 @@ def test_the_block_diagonal_gemm_terms_lie_within_the_torch_ops_rounding(factor_
     assert ((fp32.double() - want).abs() <= scale * 1e-6).all()
 
 
+def test_the_gemm_terms_reuse_one_buffer_of_blocks_whose_zeros_stay_zero():
+    """One (M, n, M, r) buffer per shape serves every call: a call after others with other inputs (and another
+    rank's) gives what a fresh buffer gives, bit for bit."""
+    import esrl.es.lowrank_kernel as lk
+
+    first, second = _inputs(8, torch.bfloat16, torch.bfloat16, m=4, n=5), _inputs(8, torch.bfloat16, torch.bfloat16,
+                                                                                 m=4, n=5, n_in=200, n_out=90)
+    lk._gemm_add_(first[0].clone(), *first[1:])
+    lk._gemm_add_(torch.zeros(4, 5, 90).bfloat16(), *_inputs(2, torch.bfloat16, torch.bfloat16, m=4, n=5,
+                                                              n_out=90)[1:])
+    reused = second[0].clone()
+    lk._gemm_add_(reused, *second[1:])
+    lk._BLOCKS.clear()
+    fresh = second[0].clone()
+    lk._gemm_add_(fresh, *second[1:])
+    assert torch.equal(reused, fresh) and not torch.equal(fresh, second[0])
+
+
 GEMM_CHILD = """
 import torch
 import esrl.es.lowrank_kernel as lk

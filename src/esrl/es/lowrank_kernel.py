@@ -101,11 +101,11 @@ linear. On an H100 the fused step with "kernel" added what the recorded one adds
 
 
 GEMM_OUTS: int | None = None
-"""Off (None), or an output width from which a decode step's terms at ranks above 1 take `_gemm_add_` instead of the
-kernel: the out-side factors of all members read once by one dense GEMM, where the kernel re-reads its member's
-per row from L2 (at rank 8, 143 KB a row for gate_proj: 11 us a call against rank 1's 3.6 us, H100, session 22). Not
-timed on a GPU yet: `benchmarks/gpu/lowrank_tiles.py` times it beside the kernel per projection (`gemm_over_kernel`),
-`es_throughput.py --gemm-outs` in the decode path."""
+"""Off (None), or an output width from which a decode step's terms at ranks above 1 take `_gemm_add_` (two launches)
+instead of the kernel (one): the out-side factors of all members read once by one dense GEMM, where the kernel
+re-reads its member's per row from L2 (at rank 8, 143 KB a row for gate_proj: 11 us a call against rank 1's 3.6 us,
+H100, session 22). Not timed on a GPU yet: `benchmarks/gpu/lowrank_tiles.py` times it beside the kernel per
+projection (`gemm_over_kernel`), `es_throughput.py --gemm-outs` in the decode path."""
 
 
 def launch_plan(rank: int, rows_per_member: int, n_outs: tuple[int, ...], tiles: dict | None = None):
@@ -195,16 +195,28 @@ def _torch_add_(ys: torch.Tensor, xs: torch.Tensor, a_t: torch.Tensor, b_t: torc
         ys.baddbmm_(torch.bmm(xs, b_t.transpose(1, 2)), a_t)
 
 
+_BLOCKS: dict[tuple, torch.Tensor] = {}
+"""`_gemm_add_`'s (M, n, M, r) buffers, one per shape: off their diagonal blocks they stay zero, so one serves every
+linear of a step (the terms are added one after another) and a recorded step pays no launch to clear it."""
+
+
 def _gemm_add_(ys: torch.Tensor, xs: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor) -> None:
-    """The terms by dense GEMMs that read each factor once: c = x.B per member (bmm, rounded to ys's dtype as the
-    torch ops round it), placed on the diagonal blocks of a (rows, members x rank) matrix of zeros, times every
-    member's out-side factors stacked (members x rank, out), added to ys in place. The zeros add exact zeros, so each
-    row sums its own member's rank products; the GEMM does members-fold the needed products, which tensor cores
-    absorb at decode's few rows."""
+    """The terms in two launches that read each factor once: c = x.B per member (bmm) written straight into the
+    diagonal blocks of a (rows, members x rank) matrix of zeros, which one dense GEMM multiplies by every member's
+    out-side factors stacked (members x rank, out), adding to ys in place. The zeros add exact zeros, so each row sums
+    its own member's rank products (c rounded to the factors' dtype first, as the torch ops round it); the GEMM does
+    members-fold the needed products, which tensor cores absorb at decode's few rows. In a traced step (torch.compile)
+    the blocks are made afresh, for Inductor to fuse."""
     m, n, r = ys.shape[0], ys.shape[1], a_t.shape[1]
-    c = torch.bmm(xs.to(a_t.dtype), b_t.transpose(1, 2))  # (M, n, r); fp32 factors: computed there, added once
-    blocks = c.new_zeros(m, n, m, r)
-    torch.diagonal(blocks, dim1=0, dim2=2).copy_(c.permute(1, 2, 0))  # the diagonal view is (n, r, M)
+    key = (m, n, r, a_t.dtype, a_t.device)
+    if torch.compiler.is_compiling() or key not in _BLOCKS:
+        blocks = a_t.new_zeros(m, n, m, r)
+        if not torch.compiler.is_compiling():
+            _BLOCKS[key] = blocks
+    else:
+        blocks = _BLOCKS[key]
+    diagonal = torch.diagonal(blocks, dim1=0, dim2=2).permute(2, 0, 1)  # (M, n, r), each member's own block
+    torch.bmm(xs.to(a_t.dtype), b_t.transpose(1, 2), out=diagonal)  # fp32 factors: computed there, added once
     rows, stacked = blocks.view(m * n, m * r), a_t.reshape(m * r, -1)
     if a_t.dtype == ys.dtype:
         ys.view(m * n, -1).addmm_(rows, stacked)
