@@ -41,3 +41,31 @@ def test_every_benchmark_script_starts_and_prints_its_usage():
     assert done.returncode == 0, done.stderr[-3000:]
     failed = eval(done.stdout.strip().splitlines()[-1])
     assert not failed, failed
+
+
+def test_the_gpu_call_scripts_parse_and_pass_only_flags_their_benchmarks_have():
+    """A device session's one call runs benchmarks/gpu/*.sh on a machine lent for minutes: a shell syntax error, or
+    a flag a benchmark no longer has, would spend it. Each script parses (`bash -n`), and every --flag written on a
+    line that runs a benchmark (or in the shell variables it passes, BENCH's) is in that benchmark's --help."""
+    import re
+
+    flag = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+    checked = 0
+    for script in sorted(ROOT.glob("benchmarks/gpu/*.sh")):
+        assert subprocess.run(["bash", "-n", script], capture_output=True).returncode == 0, script
+        text = script.read_text()
+        variables = dict(re.findall(r'^(\w+)="([^"]*)"', text, re.MULTILINE))
+        for bench in sorted(set(re.findall(r"(\w+\.py) ", text))):
+            path = next((p for p in SCRIPTS if p.name == bench), None)
+            if path is None:
+                continue
+            lines = [line for line in text.replace("\\\n", " ").splitlines()
+                     if f"{bench} " in line and "python" in line]
+            used = {f for line in lines for f in flag.findall(line)}
+            used |= {f for line in lines for name in re.findall(r"\$(\w+)", line)
+                     for f in flag.findall(variables.get(name, ""))}
+            help_text = subprocess.run([sys.executable, str(path), "--help"], cwd=path.parent, capture_output=True,
+                                       text=True, timeout=120).stdout
+            assert not used - set(flag.findall(help_text)), (script.name, bench, used - set(flag.findall(help_text)))
+            checked += len(used)
+    assert checked > 20, checked  # the scripts' benchmark lines were found
