@@ -208,15 +208,16 @@ def _gemm_add_(ys: torch.Tensor, xs: torch.Tensor, a_t: torch.Tensor, b_t: torch
     members-fold the needed products, which tensor cores absorb at decode's few rows. In a traced step (torch.compile)
     the blocks are made afresh, for Inductor to fuse."""
     m, n, r = ys.shape[0], ys.shape[1], a_t.shape[1]
-    key = (m, n, r, a_t.dtype, a_t.device)
-    if torch.compiler.is_compiling() or key not in _BLOCKS:
+    x_b = (xs.to(a_t.dtype), b_t.transpose(1, 2))  # c = x.B from these; fp32 factors: computed there, added once
+    if torch.compiler.is_compiling():
         blocks = a_t.new_zeros(m, n, m, r)
-        if not torch.compiler.is_compiling():
-            _BLOCKS[key] = blocks
+        torch.diagonal(blocks, dim1=0, dim2=2).copy_(torch.bmm(*x_b).permute(1, 2, 0))
     else:
+        key = (m, n, r, a_t.dtype, a_t.device)
+        if key not in _BLOCKS:
+            _BLOCKS[key] = a_t.new_zeros(m, n, m, r)
         blocks = _BLOCKS[key]
-    diagonal = torch.diagonal(blocks, dim1=0, dim2=2).permute(2, 0, 1)  # (M, n, r), each member's own block
-    torch.bmm(xs.to(a_t.dtype), b_t.transpose(1, 2), out=diagonal)  # fp32 factors: computed there, added once
+        torch.bmm(*x_b, out=torch.diagonal(blocks, dim1=0, dim2=2).permute(2, 0, 1))  # each member's own block
     rows, stacked = blocks.view(m * n, m * r), a_t.reshape(m * r, -1)
     if a_t.dtype == ys.dtype:
         ys.view(m * n, -1).addmm_(rows, stacked)
