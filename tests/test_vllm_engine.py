@@ -6,6 +6,8 @@ leaves the engine's weights at the base model's.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -249,3 +251,51 @@ def test_each_of_several_ranks_gets_the_external_launcher_with_its_own_rank(tmp_
     for rank, (r, kwargs, env_rank, refused) in enumerate(got):
         assert (r, kwargs, env_rank) == (rank, {"distributed_executor_backend": "external_launcher"}, str(rank))
         assert "tensor_parallel_size: 2 with 2 ranks" in refused and "\n" not in refused
+
+
+def _one_process_kwargs(store: str, results) -> None:
+    """In a fresh process (no process group yet, none of vLLM's): rank_engine_kwargs on a faked cuda:1, without a
+    process group, then inside a world-1 one, then on cuda:0."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from esrl.rollout import RolloutConfig
+    from esrl.rollout.vllm import rank_engine_kwargs
+
+    config = RolloutConfig(engine="vllm")
+    torch.cuda.is_available, torch.cuda.current_device = (lambda: True), (lambda: 1)
+    out = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["no group"] = (rank_engine_kwargs(config), [str(w.message) for w in caught])
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        out["tensor parallel"] = rank_engine_kwargs(RolloutConfig(engine="vllm",
+                                                                  vllm_kwargs={"tensor_parallel_size": 2}))
+        out["group"] = (rank_engine_kwargs(config), os.environ.get("RANK"), os.environ.get("LOCAL_RANK"))
+        torch.cuda.current_device = lambda: 0
+        out["cuda:0"] = rank_engine_kwargs(config)
+    finally:
+        dist.destroy_process_group()
+    results.put(out)
+
+
+def test_one_process_on_a_gpu_other_than_0_gets_the_external_launcher_or_a_warning(tmp_path):
+    """`trainer.devices: [1]`: vLLM's default executor would put the engine on cuda:0, beside whatever runs there.
+    With the process group ES always has, the engine goes on the external_launcher backend with LOCAL_RANK 1; without
+    one (GRPO on one device) a warning names CUDA_VISIBLE_DEVICES; device 0 and tensor parallelism keep the default.
+    (The CUDA device index is faked in a child process: this checks the arguments, on the CPU only.)"""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_one_process_kwargs, args=(str(tmp_path / "store"), results))
+    proc.start()
+    out = results.get(timeout=120)
+    proc.join(timeout=60)
+    assert proc.exitcode == 0
+    kwargs, warned = out["no group"]
+    assert kwargs == {} and len(warned) == 1 and "CUDA_VISIBLE_DEVICES=1" in warned[0], warned
+    assert out["tensor parallel"] == {} and out["cuda:0"] == {}
+    assert out["group"] == ({"distributed_executor_backend": "external_launcher"}, "0", "1")

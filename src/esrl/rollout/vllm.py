@@ -12,13 +12,14 @@ in-memory adapter (`add_adapters`) registered straight into the worker's adapter
 itself. `set_default_adapter` puts one adapter on every plain generate. Sleep mode (`rollout.vllm_sleep`, GPU
 only): level 1 between GRPO's rollouts and its next use.
 
-Several ranks (`trainer.devices: N`): every Lightning process builds its own in-process engine on vLLM's
-`external_launcher` backend, as TRL's colocate mode does: vLLM reuses the process group Lightning already
-initialised, each rank is a tensor-parallel group of one (so the engines never wait on each other and ranks may run
-different numbers of chunks; tested: 2 processes give the weights of 1 bit for bit), and the engine takes the device
-of LOCAL_RANK, set from the rank's current CUDA device. vLLM's default single-process executor would put every rank's
-engine on device 0. Tensor parallelism inside a rank (`vllm_kwargs.tensor_parallel_size` > 1) with several ranks is
-refused: external_launcher would shard one engine across ranks that generate different members.
+Several ranks (`trainer.devices: N`), or one on a GPU other than 0 (`trainer.devices: [1]`): every Lightning process
+builds its own in-process engine on vLLM's `external_launcher` backend, as TRL's colocate mode does
+(`rank_engine_kwargs`): vLLM reuses the process group Lightning already initialised, each rank is a tensor-parallel
+group of one (so the engines never wait on each other and ranks may run different numbers of chunks; tested: 2
+processes give the weights of 1 bit for bit), and the engine takes the device of LOCAL_RANK, set from the rank's
+current CUDA device; vLLM's default single-process executor would put every engine on device 0. Tensor parallelism
+inside a rank (`vllm_kwargs.tensor_parallel_size` > 1) with several ranks is refused: external_launcher would shard
+one engine across ranks that generate different members.
 
 Prefix caching is off: cached KV blocks from old weights would survive a weight change.
 """
@@ -26,6 +27,7 @@ Prefix caching is off: cached KV blocks from old weights would survive a weight 
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Sequence
 
 import torch
@@ -77,18 +79,29 @@ def sampled_logprobs(token_ids: list[int], logprobs) -> list[float]:
 
 
 def rank_engine_kwargs(config: RolloutConfig) -> dict[str, Any]:
-    """vllm.LLM arguments for one of several ranks: the external_launcher backend, with RANK and LOCAL_RANK (read
-    by it) set to this rank's; none when one process runs."""
+    """vllm.LLM arguments that put the engine on this process's device. vLLM's default single-process executor takes
+    device 0, so with several ranks, or one on another GPU (`trainer.devices: [1]`), the engine runs on the
+    external_launcher backend, as TRL's colocate mode, which takes LOCAL_RANK's device (set here with RANK), inside
+    the process group Lightning set up. None where the default fits: one process on device 0 or a CPU, or tensor
+    parallelism inside one process (vLLM's own workers)."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return {}
+    grouped = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if grouped else 1
     tp = int((config.vllm_kwargs or {}).get("tensor_parallel_size", 1))
-    if tp > 1:
-        raise ConfigError(f"model.rollout.vllm_kwargs.tensor_parallel_size: {tp} with {dist.get_world_size()} "
-                          "ranks is not supported (each rank's engine runs its own members); use "
-                          "trainer.devices: 1 with tensor parallelism, or tensor_parallel_size: 1")
-    local_rank = torch.cuda.current_device() if torch.cuda.is_available() else int(os.environ.get("LOCAL_RANK", 0))
+    if world > 1 and tp > 1:
+        raise ConfigError(f"model.rollout.vllm_kwargs.tensor_parallel_size: {tp} with {world} ranks is not "
+                          "supported (each rank's engine runs its own members); use trainer.devices: 1 with tensor "
+                          "parallelism, or tensor_parallel_size: 1")
+    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    if tp > 1 or (world == 1 and not device):
+        return {}
+    if not grouped:  # one process without a process group (GRPO on one device) on a GPU other than 0
+        warnings.warn(f"esrl: vLLM's engine runs on cuda:0, not on this run's cuda:{device} (one process without a "
+                      f"process group); to run on GPU {device} alone, set CUDA_VISIBLE_DEVICES={device} and "
+                      "trainer.devices: 1", stacklevel=2)
+        return {}
+    local_rank = device if device is not None else int(os.environ.get("LOCAL_RANK", 0))
     os.environ["RANK"], os.environ["LOCAL_RANK"] = str(dist.get_rank()), str(local_rank)
     return {"distributed_executor_backend": "external_launcher"}
 
