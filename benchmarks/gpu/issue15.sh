@@ -3,7 +3,7 @@
 # floor, lowrank, lora, a single member's generate and full mode), then configs/es_conciseness.yaml end to end.
 # Steps run in order of priority, each under its own time limit; everything lands in $OUT.
 #
-#   device run (carry .whl .gpu):  bash benchmarks/gpu/issue15.sh [steps]   steps: next or profile,tests,kernel,tiles,bench1,bench2,sbs,fused,host,prefill,determinism,memory,e2e
+#   device run (carry .whl .gpu):  bash benchmarks/gpu/issue15.sh [steps]   steps: next or profile,tests,kernel,inside,tiles,bench1,bench2,sbs,fused,host,prefill,determinism,memory,e2e
 # E2E_ARGS adds esrl fit flags to e2e (e.g. "--model.rollout.compile fused"); DET_COMPILE=on limits determinism to the
 # recorded path (the default on CUDA); BENCH2_MODES overrides bench2's modes (e.g. single,full).
 # sbs: the same rows side by side in ONE process (es_throughput.py --rounds), so their ratios share the machine's state.
@@ -13,6 +13,8 @@
 # at decode and prefill (`torch_over_kernel`; above KERNEL_ROWS rows a member, ranks over 1 take the torch ops), and the
 # block-diagonal GEMM (`gemm_over_kernel`, per projection in best_per_shape: what GEMM_OUTS should be). KERNEL_ARGS
 # overrides its ranks and factor dtypes.
+# inside: benchmarks/gpu/inside_gemm.py (the member terms inside each projection's GEMM, [x | C] @ [W | A_all^T]^T,
+# against the GEMM then the kernel, per projection and over a step, ranks 1 and 8).
 # SBS_ARGS adds es_throughput.py flags to sbs (e.g. "--gemm-outs 8960").
 # TILES_S, SBS_S and TESTS_S override the tiles, sbs and tests steps' time limits (seconds).
 # host: benchmarks/es_host_work.py (a chunk's load and the update, with and without reusing the load's draws).
@@ -24,14 +26,14 @@
 # member terms and once with products and sums Inductor fuses (es_throughput.py --compiled-terms); FUSED_VARIANTS
 # picks among on:kernel,fused:kernel,fused:torch (each up to ~3 minutes).
 # next: what the next device session runs first within its 15 minutes (about 10 with the machine's start): the kernel
-# step at rank 8 (the GEMM against the kernel, ~1 minute), the fused step with the kernel and with Inductor's terms
-# (issue 15's open levers for lora), then the GPU tests in what is left.
+# step at rank 8 (the GEMM against the kernel, ~1 minute), inside (~1 minute), the fused step with the kernel and with
+# Inductor's terms (issue 15's open levers for lora), then the GPU tests in what is left.
 # .whl holds the wheels the GPU image lacks (jsonargparse, docstring-parser, typeshed-client); .gpu/tok the
 # embedded model's config and tokenizer files (no weights).
 set -uo pipefail
 STEPS=${1:-profile,tests,bench1,bench2,e2e}
 NEXT=""; [ "$STEPS" = next ] && { NEXT=1; STEPS=tests,fused; FUSED_VARIANTS=${FUSED_VARIANTS:-fused:kernel,fused:torch}
-  TESTS_S=${TESTS_S:-130}; }  # ~3 minutes a fused variant (session 22), the tests in what is left of a 600 s call
+  TESTS_S=${TESTS_S:-100}; }  # ~3 minutes a fused variant (session 22), the tests in what is left of a 600 s call
 OUT=${OUT:-/tmp/esrl_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
@@ -52,8 +54,12 @@ kernel() {  # launch_plan's blocks, the torch ops and the block-diagonal GEMM si
   timeout ${KERNEL_S:-240} python3 benchmarks/gpu/lowrank_tiles.py ${KERNEL_ARGS:---ranks 1,8 --factor-dtypes bfloat16,float32} \
     --default-only 2>&1 | quiet | tee "$OUT/lowrank_kernel.jsonl" | grep -E '"best"|"qkv"|Error'
 }
-# first: the measurements the session is for (lora's two open levers: the GEMM at rank 8, Inductor's fused terms)
-[ -n "$NEXT" ] && { KERNEL_ARGS="--ranks 8 --factor-dtypes bfloat16" KERNEL_S=90 kernel; fused; }
+inside() {  # the member terms inside the projection's GEMM, priced per projection before anyone builds it
+  timeout ${INSIDE_S:-120} python3 benchmarks/gpu/inside_gemm.py 2>&1 | quiet | tee "$OUT/inside_gemm.jsonl" | grep -E 'per_step|Error'
+}
+# first: the measurements the session is for (lora's open levers: the GEMM at rank 8, the terms inside the GEMM,
+# Inductor's fused terms)
+[ -n "$NEXT" ] && { KERNEL_ARGS="--ranks 8 --factor-dtypes bfloat16" KERNEL_S=90 kernel; INSIDE_S=75 inside; fused; }
 if has profile; then
   timeout 150 python3 benchmarks/gpu/decode_profile.py 2>&1 | quiet | tee "$OUT/decode_profile.log"
 fi
@@ -61,6 +67,7 @@ if has tests; then
   timeout ${TESTS_S:-420} python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider --durations=8 2>&1 | quiet | tee "$OUT/gpu_tests.log" | tail -15
 fi
 has kernel && kernel
+has inside && inside
 if has tiles; then  # block sizes of the member-term kernel: each candidate timed per projection, the best beside the default
   timeout ${TILES_S:-300} python3 benchmarks/gpu/lowrank_tiles.py ${TILES_ARGS:-} 2>&1 | quiet | tee "$OUT/lowrank_tiles.jsonl" | grep -E '"best"|Error'
 fi
