@@ -217,13 +217,13 @@ def _rank_kwargs(rank: int, store: str, results) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
-        kwargs = rank_engine_kwargs(RolloutConfig(engine="vllm"))
+        kwargs, environment = rank_engine_kwargs(RolloutConfig(engine="vllm"))
         try:
             rank_engine_kwargs(RolloutConfig(engine="vllm", vllm_kwargs={"tensor_parallel_size": 2}))
             refused = ""
         except ConfigError as err:
             refused = str(err)
-        results.put((rank, kwargs, os.environ["RANK"], refused))
+        results.put((rank, kwargs, environment, os.environ.get("RANK"), refused))
     finally:
         dist.destroy_process_group()
 
@@ -238,7 +238,7 @@ def test_each_of_several_ranks_gets_the_external_launcher_with_its_own_rank(tmp_
     from esrl.rollout import RolloutConfig
     from esrl.rollout.vllm import rank_engine_kwargs
 
-    assert rank_engine_kwargs(RolloutConfig(engine="vllm")) == {}
+    assert rank_engine_kwargs(RolloutConfig(engine="vllm")) == ({}, {})
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_rank_kwargs, args=(r, str(tmp_path / "store"), results)) for r in range(2)]
@@ -248,8 +248,9 @@ def test_each_of_several_ranks_gets_the_external_launcher_with_its_own_rank(tmp_
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
-    for rank, (r, kwargs, env_rank, refused) in enumerate(got):
-        assert (r, kwargs, env_rank) == (rank, {"distributed_executor_backend": "external_launcher"}, str(rank))
+    for rank, (r, kwargs, environment, env_rank, refused) in enumerate(got):
+        assert (r, kwargs) == (rank, {"distributed_executor_backend": "external_launcher"})
+        assert environment == {"RANK": str(rank), "LOCAL_RANK": "0"} and env_rank is None  # vLLM's to read, not set
         assert "tensor_parallel_size: 2 with 2 ranks" in refused and "\n" not in refused
 
 
@@ -273,7 +274,7 @@ def _one_process_kwargs(store: str, results) -> None:
     try:
         out["tensor parallel"] = rank_engine_kwargs(RolloutConfig(engine="vllm",
                                                                   vllm_kwargs={"tensor_parallel_size": 2}))
-        out["group"] = (rank_engine_kwargs(config), os.environ.get("RANK"), os.environ.get("LOCAL_RANK"))
+        out["group"] = rank_engine_kwargs(config)
         torch.cuda.current_device = lambda: 0
         out["cuda:0"] = rank_engine_kwargs(config)
     finally:
@@ -296,6 +297,6 @@ def test_one_process_on_a_gpu_other_than_0_gets_the_external_launcher_or_a_warni
     proc.join(timeout=60)
     assert proc.exitcode == 0
     kwargs, warned = out["no group"]
-    assert kwargs == {} and len(warned) == 1 and "CUDA_VISIBLE_DEVICES=1" in warned[0], warned
-    assert out["tensor parallel"] == {} and out["cuda:0"] == {}
-    assert out["group"] == ({"distributed_executor_backend": "external_launcher"}, "0", "1")
+    assert kwargs == ({}, {}) and len(warned) == 1 and "CUDA_VISIBLE_DEVICES=1" in warned[0], warned
+    assert out["tensor parallel"] == ({}, {}) and out["cuda:0"] == ({}, {})
+    assert out["group"] == ({"distributed_executor_backend": "external_launcher"}, {"RANK": "0", "LOCAL_RANK": "1"})

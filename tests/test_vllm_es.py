@@ -144,8 +144,9 @@ def _load_base(model: str):
 
 def test_grpo_on_two_processes_keeps_each_ranks_vllm_engine_equal_to_its_policy(tiny_model, tmp_path, monkeypatch):
     """`--trainer.devices 2` with vLLM rollouts: each rank builds its engine on vLLM's external_launcher backend
-    (RANK and LOCAL_RANK its own: on GPUs, its own device) and, after every optimizer step, holds that rank's policy
-    weights (DDP keeps the ranks' policies equal); the step moved them."""
+    (RANK and LOCAL_RANK its own while it is built: on GPUs, its own device; Lightning's local rank untouched) and,
+    after every optimizer step, holds that rank's policy weights (DDP keeps the ranks' policies equal); the step
+    moved them."""
     import json
     from pathlib import Path
 
@@ -162,7 +163,8 @@ def test_grpo_on_two_processes_keeps_each_ranks_vllm_engine_equal_to_its_policy(
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for rank, record in enumerate(records):
-        assert record == {"rank": rank, "step": 2, "equal": True, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        assert record == {"rank": rank, "step": 2, "equal": True, "vllm_local_rank": rank,
+                          "lightning_local_rank": rank, "RANK": None}  # RANK: set only while the engine was built
     final = load_safetensors(next((tmp_path / "run").rglob("final/model.safetensors")))
     base = load_safetensors(Path(tiny_model) / "model.safetensors")
     assert any(not torch.equal(final[k], base[k]) for k in base)

@@ -17,9 +17,9 @@ builds its own in-process engine on vLLM's `external_launcher` backend, as TRL's
 (`rank_engine_kwargs`): vLLM reuses the process group Lightning already initialised, each rank is a tensor-parallel
 group of one (so the engines never wait on each other and ranks may run different numbers of chunks; tested: 2
 processes give the weights of 1 bit for bit), and the engine takes the device of LOCAL_RANK, set from the rank's
-current CUDA device; vLLM's default single-process executor would put every engine on device 0. Tensor parallelism
-inside a rank (`vllm_kwargs.tensor_parallel_size` > 1) with several ranks is refused: external_launcher would shard
-one engine across ranks that generate different members.
+current CUDA device while the engine is built; vLLM's default single-process executor would put every engine on
+device 0. Tensor parallelism inside a rank (`vllm_kwargs.tensor_parallel_size` > 1) with several ranks is refused:
+external_launcher would shard one engine across ranks that generate different members.
 
 Prefix caching is off: cached KV blocks from old weights would survive a weight change.
 """
@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import warnings
 from typing import Any, Sequence
+from unittest import mock
 
 import torch
 
@@ -78,12 +79,13 @@ def sampled_logprobs(token_ids: list[int], logprobs) -> list[float]:
     return out
 
 
-def rank_engine_kwargs(config: RolloutConfig) -> dict[str, Any]:
-    """vllm.LLM arguments that put the engine on this process's device. vLLM's default single-process executor takes
-    device 0, so with several ranks, or one on another GPU (`trainer.devices: [1]`), the engine runs on the
-    external_launcher backend, as TRL's colocate mode, which takes LOCAL_RANK's device (set here with RANK), inside
-    the process group Lightning set up. None where the default fits: one process on device 0 or a CPU, or tensor
-    parallelism inside one process (vLLM's own workers)."""
+def rank_engine_kwargs(config: RolloutConfig) -> tuple[dict[str, Any], dict[str, str]]:
+    """vllm.LLM arguments that put the engine on this process's device, and the environment vLLM reads for it while
+    the engine is built. vLLM's default single-process executor takes device 0, so with several ranks, or one on
+    another GPU (`trainer.devices: [1]`), the engine runs on the external_launcher backend, as TRL's colocate mode,
+    which takes LOCAL_RANK's device and RANK, inside the process group Lightning set up. Only while it is built:
+    Lightning reads LOCAL_RANK as the rank's index among its devices, not the device's (`trainer.devices: [2, 3]`).
+    None where the default fits: one process on device 0 or a CPU, or tensor parallelism inside one process."""
     import torch.distributed as dist
 
     grouped = dist.is_available() and dist.is_initialized()
@@ -95,15 +97,15 @@ def rank_engine_kwargs(config: RolloutConfig) -> dict[str, Any]:
                           "parallelism, or tensor_parallel_size: 1")
     device = torch.cuda.current_device() if torch.cuda.is_available() else None
     if tp > 1 or (world == 1 and not device):
-        return {}
+        return {}, {}
     if not grouped:  # one process without a process group (GRPO on one device) on a GPU other than 0
         warnings.warn(f"esrl: vLLM's engine runs on cuda:0, not on this run's cuda:{device} (one process without a "
                       f"process group); to run on GPU {device} alone, set CUDA_VISIBLE_DEVICES={device} and "
                       "trainer.devices: 1", stacklevel=2)
-        return {}
-    local_rank = device if device is not None else int(os.environ.get("LOCAL_RANK", 0))
-    os.environ["RANK"], os.environ["LOCAL_RANK"] = str(dist.get_rank()), str(local_rank)
-    return {"distributed_executor_backend": "external_launcher"}
+        return {}, {}
+    local = device if device is not None else int(os.environ.get("LOCAL_RANK", 0))
+    environment = {"RANK": str(dist.get_rank()), "LOCAL_RANK": str(local)}
+    return {"distributed_executor_backend": "external_launcher"}, environment
 
 
 def vllm_available() -> bool:
@@ -163,10 +165,12 @@ class VLLMEngine(RolloutEngine):
         self.adapters = adapters
         if adapters is not None:  # row adapters (e.g. ES lowrank / lora members): LoRA on
             kwargs.update(lora_engine_kwargs(adapters, self.config))
-        kwargs.update(rank_engine_kwargs(self.config))
+        placement, environment = rank_engine_kwargs(self.config)
+        kwargs.update(placement)
         kwargs.update(self.config.vllm_kwargs or {})
         kwargs.update(extra)
-        self.llm = LLM(**kwargs)
+        with mock.patch.dict(os.environ, environment):  # restored after: see rank_engine_kwargs
+            self.llm = LLM(**kwargs)
         table = hf_param_table(self.model_path, hf_model)
         self.hf_names = [n for n, _ in table]
         self.setup_info = self.llm.collective_rpc("esrl_setup", args=(table, self.model_path))
