@@ -257,35 +257,30 @@ def test_each_of_several_ranks_gets_the_external_launcher_with_its_own_rank(tmp_
 def _one_process_kwargs(store: str, results) -> None:
     """In a fresh process (no process group yet, none of vLLM's): rank_engine_kwargs on a faked cuda:1, without a
     process group, then inside a world-1 one, then on cuda:0."""
-    import warnings
-
     import torch.distributed as dist
 
+    import esrl.rollout.vllm as v
     from esrl.rollout import RolloutConfig
-    from esrl.rollout.vllm import rank_engine_kwargs
 
     config = RolloutConfig(engine="vllm")
-    torch.cuda.is_available, torch.cuda.current_device = (lambda: True), (lambda: 1)
-    out = {}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out["no group"] = (rank_engine_kwargs(config), [str(w.message) for w in caught])
+    v.cuda_index = lambda: 1
+    out = {"no group": v.rank_engine_kwargs(config)}
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     try:
-        out["tensor parallel"] = rank_engine_kwargs(RolloutConfig(engine="vllm",
-                                                                  vllm_kwargs={"tensor_parallel_size": 2}))
-        out["group"] = rank_engine_kwargs(config)
-        torch.cuda.current_device = lambda: 0
-        out["cuda:0"] = rank_engine_kwargs(config)
+        out["tensor parallel"] = v.rank_engine_kwargs(RolloutConfig(engine="vllm",
+                                                                    vllm_kwargs={"tensor_parallel_size": 2}))
+        out["group"] = v.rank_engine_kwargs(config)
+        v.cuda_index = lambda: 0
+        out["cuda:0"] = v.rank_engine_kwargs(config)
     finally:
         dist.destroy_process_group()
     results.put(out)
 
 
-def test_one_process_on_a_gpu_other_than_0_gets_the_external_launcher_or_a_warning(tmp_path):
+def test_one_process_on_a_gpu_other_than_0_gets_the_external_launcher_on_its_device(tmp_path):
     """`trainer.devices: [1]`: vLLM's default executor would put the engine on cuda:0, beside whatever runs there.
-    With the process group ES always has, the engine goes on the external_launcher backend with LOCAL_RANK 1; without
-    one (GRPO on one device) a warning names CUDA_VISIBLE_DEVICES; device 0 and tensor parallelism keep the default.
+    The engine goes on the external_launcher backend with LOCAL_RANK 1, in the process group ES always has or, without
+    one (GRPO on one device), in one of its own on a free port; device 0 and tensor parallelism keep the default.
     (The CUDA device index is faked in a child process: this checks the arguments, on the CPU only.)"""
     import torch.multiprocessing as mp
 
@@ -296,7 +291,48 @@ def test_one_process_on_a_gpu_other_than_0_gets_the_external_launcher_or_a_warni
     out = results.get(timeout=120)
     proc.join(timeout=60)
     assert proc.exitcode == 0
-    kwargs, warned = out["no group"]
-    assert kwargs == ({}, {}) and len(warned) == 1 and "CUDA_VISIBLE_DEVICES=1" in warned[0], warned
+    launcher = {"distributed_executor_backend": "external_launcher"}
+    kwargs, environment = out["no group"]
+    assert kwargs == launcher and environment.pop("MASTER_ADDR") == "127.0.0.1" and int(environment.pop("MASTER_PORT"))
+    assert environment == {"RANK": "0", "LOCAL_RANK": "1"}
+    assert out["group"] == (launcher, {"RANK": "0", "LOCAL_RANK": "1"})
     assert out["tensor parallel"] == ({}, {}) and out["cuda:0"] == ({}, {})
-    assert out["group"] == ({"distributed_executor_backend": "external_launcher"}, {"RANK": "0", "LOCAL_RANK": "1"})
+
+
+ENGINE_ON_ANOTHER_DEVICE = """
+import json, os, sys
+import esrl.rollout.vllm as v
+from esrl.models.loading import load_causal_lm, load_tokenizer
+from esrl.rollout import HFEngine, RolloutConfig, build_engine
+v.cuda_index = lambda: 1  # as on cuda:1: no process group yet (GRPO on one device)
+path = sys.argv[1]
+model, tok = load_causal_lm(path), load_tokenizer(path)
+engine = build_engine(RolloutConfig(engine="vllm", vllm_kwargs={"max_model_len": 256,
+                                                                 "kv_cache_memory_bytes": 64 << 20}), model, tok)
+from vllm.distributed.parallel_state import get_world_group
+prompts = [[{"role": "user", "content": "Say something short."}], [{"role": "user", "content": "Hi!"}]]
+greedy = dict(max_new_tokens=8, greedy=True)
+print(json.dumps({"local_rank": get_world_group().local_rank,
+                  "equal": [c.token_ids for c in engine.generate(prompts, **greedy)]
+                           == [c.token_ids for c in HFEngine(model, tok).generate(prompts, **greedy)],
+                  "left": [k for k in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if k in os.environ]}))
+"""
+
+
+@requires_vllm
+def test_an_engine_built_for_another_device_without_a_process_group_generates_as_the_hf_engine(tmp_path):
+    """The external_launcher path where no process group exists (GRPO on one device, cuda:1 faked): vLLM starts
+    its own, places the engine by LOCAL_RANK 1, generates the HF engine's greedy tokens, and the environment it read
+    is gone afterwards. On the CPU: the device placement itself is not checked here."""
+    import json
+    import subprocess
+    import sys
+
+    from esrl.models import tiny_llama
+
+    path = tiny_llama(tmp_path / "llama256", hidden_size=256)  # head_dim 64: vLLM's CPU attention has a kernel
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run([sys.executable, "-c", ENGINE_ON_ANOTHER_DEVICE, str(path)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"local_rank": 1, "equal": True, "left": []}

@@ -14,7 +14,8 @@ only): level 1 between GRPO's rollouts and its next use.
 
 Several ranks (`trainer.devices: N`), or one on a GPU other than 0 (`trainer.devices: [1]`): every Lightning process
 builds its own in-process engine on vLLM's `external_launcher` backend, as TRL's colocate mode does
-(`rank_engine_kwargs`): vLLM reuses the process group Lightning already initialised, each rank is a tensor-parallel
+(`rank_engine_kwargs`): vLLM reuses the process group Lightning already initialised (GRPO on one device has none:
+vLLM then starts one of its own, as it does on device 0), each rank is a tensor-parallel
 group of one (so the engines never wait on each other and ranks may run different numbers of chunks; tested: 2
 processes give the weights of 1 bit for bit), and the engine takes the device of LOCAL_RANK, set from the rank's
 current CUDA device while the engine is built; vLLM's default single-process executor would put every engine on
@@ -27,7 +28,7 @@ Prefix caching is off: cached KV blocks from old weights would survive a weight 
 from __future__ import annotations
 
 import os
-import warnings
+import socket
 from typing import Any, Sequence
 from unittest import mock
 
@@ -79,13 +80,19 @@ def sampled_logprobs(token_ids: list[int], logprobs) -> list[float]:
     return out
 
 
+def cuda_index() -> int | None:
+    """This process's current CUDA device (Lightning makes the rank's root device current), None without CUDA."""
+    return torch.cuda.current_device() if torch.cuda.is_available() else None
+
+
 def rank_engine_kwargs(config: RolloutConfig) -> tuple[dict[str, Any], dict[str, str]]:
     """vllm.LLM arguments that put the engine on this process's device, and the environment vLLM reads for it while
     the engine is built. vLLM's default single-process executor takes device 0, so with several ranks, or one on
-    another GPU (`trainer.devices: [1]`), the engine runs on the external_launcher backend, as TRL's colocate mode,
-    which takes LOCAL_RANK's device and RANK, inside the process group Lightning set up. Only while it is built:
-    Lightning reads LOCAL_RANK as the rank's index among its devices, not the device's (`trainer.devices: [2, 3]`).
-    None where the default fits: one process on device 0 or a CPU, or tensor parallelism inside one process."""
+    another GPU (`trainer.devices: [1]`), the engine runs on the external_launcher backend, as TRL's colocate mode:
+    it takes LOCAL_RANK's device and RANK, inside the process group Lightning set up, or, where none exists (GRPO on
+    one device), a process group of one of its own on a free local port. Only while the engine is built: Lightning
+    reads LOCAL_RANK as the rank's index among its devices, not the device's (`trainer.devices: [2, 3]`). None where
+    the default fits: one process on device 0 or a CPU, or tensor parallelism inside one process."""
     import torch.distributed as dist
 
     grouped = dist.is_available() and dist.is_initialized()
@@ -95,16 +102,15 @@ def rank_engine_kwargs(config: RolloutConfig) -> tuple[dict[str, Any], dict[str,
         raise ConfigError(f"model.rollout.vllm_kwargs.tensor_parallel_size: {tp} with {world} ranks is not "
                           "supported (each rank's engine runs its own members); use trainer.devices: 1 with tensor "
                           "parallelism, or tensor_parallel_size: 1")
-    device = torch.cuda.current_device() if torch.cuda.is_available() else None
+    device = cuda_index()
     if tp > 1 or (world == 1 and not device):
         return {}, {}
-    if not grouped:  # one process without a process group (GRPO on one device) on a GPU other than 0
-        warnings.warn(f"esrl: vLLM's engine runs on cuda:0, not on this run's cuda:{device} (one process without a "
-                      f"process group); to run on GPU {device} alone, set CUDA_VISIBLE_DEVICES={device} and "
-                      "trainer.devices: 1", stacklevel=2)
-        return {}, {}
     local = device if device is not None else int(os.environ.get("LOCAL_RANK", 0))
-    environment = {"RANK": str(dist.get_rank()), "LOCAL_RANK": str(local)}
+    environment = {"RANK": str(dist.get_rank() if grouped else 0), "LOCAL_RANK": str(local)}
+    if not grouped:  # vLLM starts a process group of one through env://: nobody else to meet, any free port
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            environment.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
     return {"distributed_executor_backend": "external_launcher"}, environment
 
 
