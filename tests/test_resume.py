@@ -33,6 +33,15 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
         time.sleep(0.1)
 
 
+def output_unless_hung(proc: subprocess.Popen, timeout: float) -> str:
+    """The run's output once it ends; a run still going after `timeout` s hung: killed (its session) and failed."""
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"the ranks hung after the signal: {proc.communicate()[0][-3000:]}")
+
+
 def weights(ckpt: Path) -> dict[str, torch.Tensor]:
     return torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
 
@@ -201,11 +210,7 @@ def test_a_signal_stops_two_ranks_after_one_step_and_they_resume_to_one_process_
         os.killpg(proc.pid, signal.SIGINT)
     else:
         proc.send_signal(signal.SIGTERM)
-    try:
-        out = proc.communicate(timeout=120)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"the ranks hung after the signal: {proc.communicate()[0][-3000:]}")
+    out = output_unless_hung(proc, timeout=120)
     assert proc.returncode == (130 if to == "every rank" else 143), out[-3000:]
     assert (checkpoints / "interrupted.ckpt").is_file() and "Traceback" not in out
     resumed = run_esrl("fit", "--config", config, "--trainer.default_root_dir", tmp_path, "--trainer.devices", "2",
@@ -229,11 +234,7 @@ def test_a_signal_during_the_evaluation_before_training_stops_after_the_first_st
                              "--trainer.callbacks+=signal_at_step.SignalDuringEvaluation"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        out = proc.communicate(timeout=240)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"the ranks hung after the signal: {proc.communicate()[0][-3000:]}")
+    out = output_unless_hung(proc, timeout=240)
     assert proc.returncode == 143, out[-3000:]
     ckpt = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "interrupted.ckpt"
     assert torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"] == 1, out[-5000:]

@@ -8,8 +8,9 @@ SIGTERMException, a SystemExit with code 0: a scheduler would read an interrupte
   raises KeyboardInterrupt at once (the per-step checkpoints, if any, stay the way to resume).
 - Both are only noted when they arrive, and handed to Lightning's SIGTERM handler at the end of a step (an
   optimizer step: GRPO's micro-batches of one accumulation window run on, as a checkpoint inside the window,
-  without the window's rollouts, could not resume, tests/test_resume.py -k window), on every rank at once: the ranks first agree (a max over ranks) on whether any of them got one. Lightning's handler
-  broadcasts inside the signal handler, wherever each rank happens to be, and a terminal's Ctrl+C or SLURM's
+  without the window's rollouts, could not resume, tests/test_resume.py -k window), on every rank at once: the
+  ranks first agree (a max over ranks) on whether any of them got one. Lightning's handler broadcasts inside the
+  signal handler, wherever each rank happens to be, and a terminal's Ctrl+C or SLURM's
   SIGTERM reaches every rank while rank 0 also forwards it to the others: two processes hung there with their
   collectives out of step (tests/test_resume.py -k ranks). A signal to rank 0 alone stops every rank too.
 - At that step's end `<run dir>/checkpoints/interrupted.ckpt` is saved through `trainer.save_checkpoint`, where

@@ -158,10 +158,11 @@ def lowrank_add_linears_(terms: list[tuple[torch.Tensor, torch.Tensor, torch.Ten
     on_kernel = triton is not None and (terms[0][0].is_cuda or INTERPRETED) and (
         kernel_takes(rank, n) or tiles is not None)
     if on_kernel and GEMM_OUTS is not None and rank > 1 and tiles is None:
-        wide = [t for t in terms if t[0].shape[-1] >= GEMM_OUTS and t[0].is_contiguous()]
-        for ys, a_t, b_t in wide:
-            _gemm_add_(ys, xs, a_t, b_t)
-        terms = [t for t in terms if all(t is not w for w in wide)]
+        wide = [t[0].shape[-1] >= GEMM_OUTS and t[0].is_contiguous() for t in terms]
+        for (ys, a_t, b_t), is_wide in zip(terms, wide):
+            if is_wide:
+                _gemm_add_(ys, xs, a_t, b_t)
+        terms = [t for t, is_wide in zip(terms, wide) if not is_wide]
         if not terms:
             return
     if on_kernel and all(t[0].is_contiguous() for t in terms):

@@ -15,12 +15,12 @@ only): level 1 between GRPO's rollouts and its next use.
 Several ranks (`trainer.devices: N`), or one on a GPU other than 0 (`trainer.devices: [1]`): every Lightning process
 builds its own in-process engine on vLLM's `external_launcher` backend, as TRL's colocate mode does
 (`rank_engine_kwargs`): vLLM reuses the process group Lightning already initialised (GRPO on one device has none:
-vLLM then starts one of its own, as it does on device 0), each rank is a tensor-parallel
-group of one (so the engines never wait on each other and ranks may run different numbers of chunks; tested: 2
-processes give the weights of 1 bit for bit), and the engine takes the device of LOCAL_RANK, set from the rank's
-current CUDA device while the engine is built; vLLM's default single-process executor would put every engine on
-device 0. Tensor parallelism inside a rank (`vllm_kwargs.tensor_parallel_size` > 1) with several ranks is refused:
-external_launcher would shard one engine across ranks that generate different members.
+vLLM then starts one of its own, as it does on device 0), each rank is a tensor-parallel group of one (so the engines
+never wait on each other and ranks may run different numbers of chunks; tested: 2 processes give the weights of 1
+bit for bit), and the engine takes the device of LOCAL_RANK, set from the rank's current CUDA device while the engine
+is built; vLLM's default single-process executor would put every engine on device 0. Tensor parallelism inside a
+rank (`vllm_kwargs.tensor_parallel_size` > 1) with several ranks is refused: external_launcher would shard one
+engine across ranks that generate different members.
 
 Prefix caching is off: cached KV blocks from old weights would survive a weight change.
 """
