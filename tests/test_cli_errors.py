@@ -20,6 +20,11 @@ def error_lines(out) -> list[str]:
     (["--model.es.sigma", "-0.1"], "model.es.sigma"),
     (["--data.prompts_per_step", "3"],
      "data.prompts_per_step: 3 prompts per step, but task 'conciseness' has only 2 training prompts"),
+    (["--trainer.strategy", "xla"], "trainer.strategy xla: ES runs on esrl's own strategy `es`"),
+    (["--algo", "grpo", "--trainer.strategy", "fsdp"], "trainer.strategy fsdp: GRPO under FSDP is not supported"),
+    # what Lightning's Trainer refuses: its own message, one line naming the section
+    (["--algo", "grpo", "--trainer.strategy", "nosuch"], "trainer: You selected an invalid strategy name"),
+    (["--trainer.devices", "0"], "trainer: `Trainer(devices='0')` value is not a valid input"),
 ])
 def test_bad_config_exits_with_one_line(args, culprit, tiny_model):
     out = run_esrl("fit", "--config", DEMO, "--model.policy.name_or_path", tiny_model, *args)

@@ -82,6 +82,17 @@ def test_es_on_a_grpo_config_drops_its_gradient_settings(tiny_model, tmp_path, c
     assert "trainer.strategy deepspeed_stage_2 -> es" in err and "trainer.gradient_clip_val 1.0 dropped" in err
 
 
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp_find_unused_parameters_true", "single_device"])
+def test_es_replaces_other_data_parallel_and_sharding_strategies_with_a_note(strategy, tiny_model, tmp_path, capsys):
+    """ES has no gradients to reduce or shard: another DDP launcher's or a sharding strategy becomes `es` (with 2
+    devices DDP's own would lack ES's collectives; FSDP's shards could not be perturbed in place), and says so."""
+    cli = EsrlCLI(build_module, PromptDataModule, run=False, args=[
+        "--config", str(ROOT / "configs/demo/es_conciseness.yaml"), "--model.policy.name_or_path", tiny_model,
+        "--trainer.strategy", strategy, "--trainer.default_root_dir", str(tmp_path)])
+    assert type(cli.trainer.strategy).__name__ == "ESStrategy"
+    assert f"trainer.strategy {strategy} -> es" in capsys.readouterr().err
+
+
 def test_there_are_configs():
     names = {str(c.relative_to(ROOT / "configs")) for c in CONFIGS}
     assert {"es_conciseness.yaml", "es_countdown.yaml", "es_pku.yaml", "demo/es_conciseness.yaml",

@@ -9,6 +9,7 @@ import warnings
 
 from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch.cli import LightningCLI
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
@@ -19,7 +20,7 @@ from esrl.callbacks.interruption import EXIT_CODES
 from esrl.checkpoints import check_ckpt_path, check_root_dir
 from esrl.data import PromptDataModule
 from esrl.config_files import MODE as CONFIG_MODE
-from esrl.errors import EsrlError
+from esrl.errors import ConfigError, EsrlError
 from esrl.module_factory import build_module, fit_trainer_to_algo
 from esrl.parser_errors import help_hint, one_line
 from esrl.resume import explicit_fields, load_for_plan, plan_resume, resumed_version
@@ -51,6 +52,16 @@ class EsrlCLI(LightningCLI):
                                            written)
                 config.seed_everything = self._resume.seed
                 self._resume.run_dir = ckpt.get("esrl_run_dir") or str(Path(config.ckpt_path).parent.parent)
+
+    def instantiate_trainer(self, **kwargs):
+        """Lightning's Trainer; a setting it refuses (a strategy name, devices for the accelerator) is one line
+        naming the trainer section, as esrl's own config errors are, not a traceback."""
+        try:
+            return super().instantiate_trainer(**kwargs)
+        except EsrlError:
+            raise
+        except (ValueError, MisconfigurationException) as e:
+            raise ConfigError(f"trainer: {one_line(e)}") from None
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_argument("--algo", choices=["es", "grpo"], default="es",

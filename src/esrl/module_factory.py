@@ -14,33 +14,52 @@ from esrl.rollout import RolloutConfig
 
 
 GRPO_STRATEGIES = ("auto", "ddp", "ddp_spawn", None)
-"""Strategies ES replaces with its own (besides DeepSpeed's): Lightning's default and data-parallel ones."""
+"""Strategies ES replaces with its own silently: Lightning's default and data-parallel ones."""
+ES_REPLACES = ("ddp", "deepspeed", "fsdp", "single_device")
+"""Prefixes of the strategy names ES replaces with a note: other DDP launchers, and the sharding ones of a GRPO
+config (ES has no gradients or optimizer states to shard, and sharded weights could not be perturbed in place)."""
+
+
+def strategy_name(strategy: Any) -> str | None:
+    """A trainer.strategy as written: its name, or the class path of a `class_path` form."""
+    if strategy is None or isinstance(strategy, str):
+        return strategy
+    return str(getattr(strategy, "class_path", strategy))
 
 
 def fit_trainer_to_algo(algo: str, trainer: Any) -> list[str]:
     """Adapt the `trainer` section (a namespace) to `algo`, so that one config runs both algorithms with `--algo`.
 
-    ES runs on its own strategy (no gradient all-reduce, unsharded prompts): Lightning's default, DDP and DeepSpeed
-    (a GRPO config's) become `es`; ES has no gradient to clip or accumulate, so a GRPO config's
-    `gradient_clip_val` and `accumulate_grad_batches` are dropped (Lightning refuses both under ES's manual
-    optimization). GRPO runs on Lightning's strategies: `es` becomes `auto`. Returns one note per setting that a
-    config had to lose, for the user to see.
+    ES runs on its own strategy (no gradient all-reduce, unsharded prompts): Lightning's default, DDP's, DeepSpeed's
+    and FSDP's (a GRPO config's) become `es`; any other strategy is refused in one line. ES has no gradient to clip
+    or accumulate, so a GRPO config's `gradient_clip_val` and `accumulate_grad_batches` are dropped (Lightning
+    refuses both under ES's manual optimization). GRPO runs on Lightning's strategies: `es` becomes `auto`; FSDP is
+    refused (esrl reads the policy's weights whole outside its forward: generate, the engine sync, the final save).
+    Returns one note per setting that a config had to lose, for the user to see.
     """
     notes: list[str] = []
+    name = strategy_name(trainer.strategy)
     if algo == "es":
-        strategy = trainer.strategy
-        if strategy in GRPO_STRATEGIES or str(strategy).startswith("deepspeed"):
-            if str(strategy).startswith("deepspeed"):
-                notes.append(f"trainer.strategy {strategy} -> es")
+        if name in GRPO_STRATEGIES:
             trainer.strategy = "es"
+        elif isinstance(trainer.strategy, str) and name.startswith(ES_REPLACES):
+            notes.append(f"trainer.strategy {name} -> es")
+            trainer.strategy = "es"
+        elif name != "es" and not name.endswith(".ESStrategy"):
+            raise ConfigError(f"trainer.strategy {name}: ES runs on esrl's own strategy `es` (DDP's processes, no "
+                              "gradient all-reduce); leave trainer.strategy out, or set it to auto, ddp or es")
         if trainer.gradient_clip_val is not None:
             notes.append(f"trainer.gradient_clip_val {trainer.gradient_clip_val} dropped")
             trainer.gradient_clip_val = None
         if (trainer.accumulate_grad_batches or 1) != 1:
             notes.append(f"trainer.accumulate_grad_batches {trainer.accumulate_grad_batches} -> 1")
             trainer.accumulate_grad_batches = 1
-    elif algo == "grpo" and trainer.strategy == "es":
+    elif algo == "grpo" and name == "es":
         trainer.strategy = "auto"
+    elif algo == "grpo" and name is not None and ("fsdp" in name.lower()):
+        raise ConfigError(f"trainer.strategy {name}: GRPO under FSDP is not supported yet (esrl reads the policy's "
+                          "weights whole for generate, the vLLM sync and the final save); use ddp, or "
+                          "deepspeed_stage_2 to shard optimizer states and gradients")
     return notes
 
 
