@@ -25,6 +25,14 @@ def error_lines(out) -> list[str]:
     # what Lightning's Trainer refuses: its own message, one line naming the section
     (["--algo", "grpo", "--trainer.strategy", "nosuch"], "trainer: You selected an invalid strategy name"),
     (["--trainer.devices", "0"], "trainer: `Trainer(devices='0')` value is not a valid input"),
+    (["--trainer.accumulate_grad_batches", "0"], "trainer.accumulate_grad_batches: must be >= 1, got 0"),
+    (["--model.es.include", "[zzz_nomatch]"], "model.es.include / exclude / layers: the filter"),
+    (["--model.es.layers", "50-60"], "model.es.include / exclude / layers: the filter"),
+    (["--model.es.layers", "abc"], "model.es.layers: expected layer ranges such as '0-5,20', got 'abc'"),
+    (["--model.es.layers", "5-2"], "model.es.layers: expected layer ranges"),
+    (["--model.es.exclude", "[(]"], "model.es.exclude: '(' is not a regular expression"),
+    (["--model.es.momentum", "1.5"], "model.es.momentum: must be in [0, 1)"),
+    (["--model.rollout.stop", '[""]'], "model.rollout.stop: stop strings must be non-empty"),
 ])
 def test_bad_config_exits_with_one_line(args, culprit, tiny_model):
     out = run_esrl("fit", "--config", DEMO, "--model.policy.name_or_path", tiny_model, *args)

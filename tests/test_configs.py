@@ -70,16 +70,18 @@ def test_config_builds(config, algo, tiny_model, tmp_path):
 
 
 def test_es_on_a_grpo_config_drops_its_gradient_settings(tiny_model, tmp_path, capsys):
-    """configs/grpo_conciseness.yaml (DeepSpeed ZeRO-2, gradient clipping) under --algo es: the es strategy, no
-    clipping, and one line telling the user so (its strategy is left as written: no override here)."""
+    """configs/grpo_conciseness.yaml (DeepSpeed ZeRO-2, bf16-mixed, gradient clipping) under --algo es: the es
+    strategy, 32-true, no clipping, and one line telling the user so (its strategy and precision are left as
+    written: no override here)."""
     cli = EsrlCLI(build_module, PromptDataModule, run=False, args=[
         "--config", str(ROOT / "configs/grpo_conciseness.yaml"), "--algo", "es",
         "--model.policy.name_or_path", tiny_model, "--model.policy.dtype", "float32",
-        "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.precision", "32",
-        "--trainer.default_root_dir", str(tmp_path)])
+        "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.default_root_dir", str(tmp_path)])
     assert type(cli.trainer.strategy).__name__ == "ESStrategy" and cli.trainer.gradient_clip_val is None
+    assert cli.trainer.precision == "32-true"  # its bf16-mixed: ES has no backward to autocast
     err = capsys.readouterr().err
     assert "trainer.strategy deepspeed_stage_2 -> es" in err and "trainer.gradient_clip_val 1.0 dropped" in err
+    assert "trainer.precision bf16-mixed -> 32-true" in err
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp_find_unused_parameters_true", "single_device"])

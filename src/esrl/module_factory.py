@@ -15,6 +15,10 @@ from esrl.rollout import RolloutConfig
 
 GRPO_STRATEGIES = ("auto", "ddp", "ddp_spawn", None)
 """Strategies ES replaces with its own silently: Lightning's default and data-parallel ones."""
+MIXED = ("16-mixed", "bf16-mixed", "16", "bf16")
+"""Mixed precisions (with their short names), which a GRPO config takes for fp32 master weights under bf16 compute:
+ES has no backward to autocast, and fp16's loss scaling would rescale its gradient, so ES computes in the weights'
+own dtype (model.policy.dtype) instead."""
 ES_REPLACES = ("ddp", "deepspeed", "fsdp", "single_device")
 """Prefixes of the strategy names ES replaces with a note: other DDP launchers, and the sharding ones of a GRPO
 config (ES has no gradients or optimizer states to shard, and sharded weights could not be perturbed in place)."""
@@ -33,12 +37,15 @@ def fit_trainer_to_algo(algo: str, trainer: Any) -> list[str]:
     ES runs on its own strategy (no gradient all-reduce, unsharded prompts): Lightning's default, DDP's, DeepSpeed's
     and FSDP's (a GRPO config's) become `es`; any other strategy is refused in one line. ES has no gradient to clip
     or accumulate, so a GRPO config's `gradient_clip_val` and `accumulate_grad_batches` are dropped (Lightning
-    refuses both under ES's manual optimization). GRPO runs on Lightning's strategies: `es` becomes `auto`; FSDP is
+    refuses both under ES's manual optimization), and its mixed precision becomes 32-true (MIXED). GRPO runs on Lightning's strategies: `es` becomes `auto`; FSDP is
     refused (esrl reads the policy's weights whole outside its forward: generate, the engine sync, the final save).
     Returns one note per setting that a config had to lose, for the user to see.
     """
     notes: list[str] = []
     name = strategy_name(trainer.strategy)
+    accumulate = trainer.accumulate_grad_batches
+    if isinstance(accumulate, int) and accumulate < 1:  # else ES would drop it with a note, as if it were valid
+        raise ConfigError(f"trainer.accumulate_grad_batches: must be >= 1, got {accumulate}")
     if algo == "es":
         if name in GRPO_STRATEGIES:
             trainer.strategy = "es"
@@ -48,10 +55,13 @@ def fit_trainer_to_algo(algo: str, trainer: Any) -> list[str]:
         elif name != "es" and not name.endswith(".ESStrategy"):
             raise ConfigError(f"trainer.strategy {name}: ES runs on esrl's own strategy `es` (DDP's processes, no "
                               "gradient all-reduce); leave trainer.strategy out, or set it to auto, ddp or es")
+        if str(trainer.precision) in MIXED:
+            notes.append(f"trainer.precision {trainer.precision} -> 32-true (ES runs in model.policy.dtype)")
+            trainer.precision = "32-true"
         if trainer.gradient_clip_val is not None:
             notes.append(f"trainer.gradient_clip_val {trainer.gradient_clip_val} dropped")
             trainer.gradient_clip_val = None
-        if (trainer.accumulate_grad_batches or 1) != 1:
+        if trainer.accumulate_grad_batches not in (None, 1):
             notes.append(f"trainer.accumulate_grad_batches {trainer.accumulate_grad_batches} -> 1")
             trainer.accumulate_grad_batches = 1
     elif algo == "grpo" and name == "es":

@@ -47,6 +47,9 @@ class PolicyModule(L.LightningModule):
                 f"choose auto, on, fused or off, got {self.rollout_config.compile!r}")
         require(self.rollout_config.prompt_bucket >= 1, "model.rollout.prompt_bucket", "must be >= 1")
         require(0 < self.rollout_config.top_p <= 1, "model.rollout.top_p", "must be in (0, 1]")
+        require(all(isinstance(t, str) and t for t in self.rollout_config.stop), "model.rollout.stop",
+                f"stop strings must be non-empty (an empty one ends every completion at once), got "
+                f"{self.rollout_config.stop!r}")
         # Fail before any training starts, with the places esrl looked, if the model cannot be found.
         self.model_path = resolve_model_path(self.policy_config.name_or_path)
         self.policy: torch.nn.Module | None = None

@@ -7,6 +7,7 @@ from typing import Literal
 
 from esrl.errors import require
 from esrl.es.modes import MODES, get_mode
+from esrl.es.params import check_filter
 
 
 @dataclass
@@ -81,6 +82,8 @@ class ESConfig:
         require(self.sigma_scaling in ("global", "rms"), "model.es.sigma_scaling",
                 f"choose global or rms, got {self.sigma_scaling!r}")
         require(self.optimizer in ("sgd", "adam"), "model.es.optimizer", f"choose sgd or adam, got {self.optimizer!r}")
-        require(self.momentum >= 0, "model.es.momentum", "must be >= 0")
+        require(0 <= self.momentum < 1, "model.es.momentum", f"must be in [0, 1) (1 and above diverge), "
+                f"got {self.momentum}")
+        check_filter(self.include, self.exclude, self.layers)
         require(self.weight_decay >= 0, "model.es.weight_decay", "must be >= 0")
         get_mode(self.mode).validate(self)  # the mode's own fields (rank, lora_*) and combinations

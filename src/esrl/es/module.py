@@ -70,9 +70,10 @@ class ESModule(PolicyModule):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        if "16-mixed" in str(self.trainer.precision):  # its grad scaler would unscale the ES gradient
-            raise ConfigError(f"trainer.precision: ES takes no {self.trainer.precision} (fp16 loss scaling); "
-                              "use 32-true, bf16-true or bf16-mixed")
+        if "mixed" in str(self.trainer.precision):  # `esrl fit` maps these to 32-true (module_factory.MIXED)
+            raise ConfigError(f"trainer.precision {self.trainer.precision}: ES takes no mixed precision (no backward "
+                              "to autocast; fp16's grad scaler would rescale the ES gradient); set model.policy.dtype "
+                              "and use 32-true or bf16-true")
 
     def configure_optimizers(self):
         return build_optimizer(self.selection.params, self.es)

@@ -8,9 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
+from esrl.errors import ConfigError
 from esrl.models.layers import LAYER, parse_layer_ranges
 
-__all__ = ["ParamSelection", "linear_weight_only", "param_owners", "parse_layer_ranges", "select_params"]
+__all__ = ["ParamSelection", "check_filter", "linear_weight_only", "param_owners", "parse_layer_ranges",
+           "select_params"]
 
 
 @dataclass
@@ -66,9 +68,23 @@ def select_params(model: torch.nn.Module, include: list[str] | None = None, excl
         sel.names.append(name)
         sel.params.append(p)
     if not sel.params:
-        raise ValueError(f"the parameter filter (include={include}, exclude={exclude}, layers={layers!r}) "
-                         "selects no parameter")
+        raise ConfigError(f"model.es.include / exclude / layers: the filter (include={include}, exclude={exclude}, "
+                          f"layers={layers!r}) selects no parameter of {type(model).__name__}")
     return sel
+
+
+def check_filter(include: list[str] | None, exclude: list[str] | None, layers: str | None) -> None:
+    """The filter's patterns and layer ranges, checked when the config is read: one line naming the bad field."""
+    for field, patterns in (("model.es.include", include), ("model.es.exclude", exclude)):
+        for pattern in patterns or []:
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError) as e:
+                raise ConfigError(f"{field}: {pattern!r} is not a regular expression ({e})") from None
+    try:
+        parse_layer_ranges(layers)
+    except ValueError:
+        raise ConfigError(f"model.es.layers: expected layer ranges such as '0-5,20', got {layers!r}") from None
 
 
 def param_owners(model: torch.nn.Module) -> dict[int, list[tuple[torch.nn.Module, str]]]:

@@ -15,5 +15,8 @@ def parse_layer_ranges(spec: str | None) -> set[int] | None:
     out: set[int] = set()
     for part in spec.split(","):
         lo, _, hi = part.strip().partition("-")
-        out.update(range(int(lo), int(hi or lo) + 1))
+        first, last = int(lo), int(hi or lo)
+        if not 0 <= first <= last:
+            raise ValueError(f"layer range {part.strip()!r} is empty or negative")
+        out.update(range(first, last + 1))
     return out
