@@ -206,6 +206,33 @@ def test_vllm_sleep_without_a_gpu_is_one_config_error(tiny_lm):
     assert "model.rollout.vllm_sleep" in str(err.value) and "cpu" in str(err.value) and "\n" not in str(err.value)
 
 
+def test_the_default_context_is_capped_at_the_models_own(tiny_lm):
+    """vLLM refuses a max_model_len above the model's max_position_embeddings: the default 2048 is capped there (the
+    tiny model's 512), and a model with a longer context keeps 2048."""
+    from types import SimpleNamespace
+
+    from esrl.rollout.vllm import MAX_MODEL_LEN, default_max_model_len
+
+    assert tiny_lm.config.max_position_embeddings == 512 and default_max_model_len("unused", tiny_lm) == 512
+    long = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=32768))
+    assert default_max_model_len("unused", long) == MAX_MODEL_LEN == 2048
+
+
+@requires_vllm
+def test_arguments_vllm_refuses_are_one_config_error_naming_vllm_kwargs(tiny_lm):
+    """A vllm_kwargs value vLLM's own checks refuse (a context above the model's) is one line, not pydantic's
+    traceback."""
+    from esrl.models.loading import load_tokenizer
+    from esrl.rollout import RolloutConfig, build_engine
+
+    with pytest.raises(ConfigError) as err:
+        build_engine(RolloutConfig(engine="vllm", vllm_kwargs={"max_model_len": 100000}), tiny_lm,
+                     load_tokenizer("smollm2-135m-instruct"))
+    message = str(err.value)
+    assert message.startswith("model.rollout.vllm_kwargs: vLLM refused the engine's arguments:") and "\n" not in message
+    assert "max_model_len (100000)" in message
+
+
 def _rank_kwargs(rank: int, store: str, results) -> None:
     """One of two Gloo ranks: what rank_engine_kwargs gives, and what it refuses."""
     import os

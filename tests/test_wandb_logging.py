@@ -38,3 +38,21 @@ def test_es_fit_logs_to_wandb_offline(tiny_model, tmp_path):
     assert len(tables) == 2, tables
     assert "greedy" in tables[0].read_text()
     assert list(tmp_path.rglob("config.yaml"))  # the resolved config saved in the run directory
+
+
+def test_wandb_online_without_an_api_key_is_one_line_naming_the_logger(tiny_model, tmp_path, monkeypatch):
+    """W&B refuses to start online without a key (it raises its own UsageError): one line naming the logger and the
+    offline way out, not W&B's traceback. The key and any netrc are kept out: no network is touched."""
+    pytest.importorskip("wandb")
+    from conftest import write_tiny_config
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_ANONYMOUS"):
+        monkeypatch.delenv(name, raising=False)
+    config = write_tiny_config(tmp_path / "c.yaml", tiny_model, trainer={"logger": [
+        {"class_path": "lightning.pytorch.loggers.WandbLogger", "init_args": {"project": "esrl-test"}}]})
+    out = run_esrl("fit", "--config", config, "--trainer.default_root_dir", tmp_path / "runs")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1] == ("esrl: error: trainer.logger WandbLogger: No API key configured. "
+                                                   "Use `wandb login` to log in. (or run offline: WANDB_MODE=offline)")

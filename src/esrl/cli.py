@@ -158,6 +158,12 @@ def main(args: list[str] | None = None) -> None:
         print(f"esrl: error: {one_line(e.message if hasattr(e, 'message') else e)}\n"
               f"(`{help_hint(argv)}` lists the options)", file=sys.stderr)
         raise SystemExit(2) from None
+    except Exception as e:  # W&B's own refusals (no API key, no network): the logger named, in one line
+        if not type(e).__module__.startswith("wandb."):
+            raise
+        print(f"esrl: error: trainer.logger WandbLogger: {one_line(e)} (or run offline: WANDB_MODE=offline)",
+              file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ class RolloutConfig:
     in length still share one recorded decode step."""
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
     """engine vllm: extra `vllm.LLM` arguments, e.g. gpu_memory_utilization (default 0.3), max_model_len
-    (default 2048), tensor_parallel_size."""
+    (default 2048 tokens, or the model's context where shorter), tensor_parallel_size."""
     vllm_max_loras: int | None = None
     """engine vllm, ES modes lowrank and lora: member adapters (LoRAs) vLLM runs in one batch, its `max_loras` (None:
     max_batch_size, so every member of a chunk runs at once; GRPO's model.grpo.lora: 1, the policy's adapter). Fewer

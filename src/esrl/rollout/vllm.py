@@ -132,12 +132,35 @@ def hf_param_table(model_path: str, hf_model: torch.nn.Module | None = None) -> 
     return [(n, tuple(p.shape)) for n, p in hf_model.named_parameters()]
 
 
+MAX_MODEL_LEN = 2048
+"""Tokens (prompt and completion) an engine's sequence may hold by default: bounds the KV cache vLLM must fit at
+gpu_memory_utilization 0.3. Set `vllm_kwargs: {max_model_len: ...}` for longer ones."""
+
+
+def default_max_model_len(model_path: str, hf_model: torch.nn.Module | None = None) -> int:
+    """MAX_MODEL_LEN, or the model's own context where shorter (vLLM refuses a length above max_position_embeddings)."""
+    if hf_model is not None:
+        config = hf_model.config
+    else:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_path)
+    context = getattr(config, "max_position_embeddings", None)
+    return min(MAX_MODEL_LEN, context) if context else MAX_MODEL_LEN
+
+
+def joined(error: Exception) -> str:
+    """An error's message on one line, without pydantic's links."""
+    return " ".join(line.strip() for line in str(error).splitlines()
+                    if line.strip() and "errors.pydantic.dev" not in line)
+
+
 class VLLMEngine(RolloutEngine):
     """Rollouts with an in-process vLLM engine holding its own copy of the weights.
 
     One engine per process (rank). `extra` holds further `vllm.LLM` keyword arguments (they override the
-    defaults below: enforce_eager, gpu_memory_utilization 0.3, max_model_len 2048, prefix caching off; on
-    CPU a 2 GiB KV cache, kv_cache_memory_bytes, unless VLLM_CPU_KVCACHE_SPACE is set)."""
+    defaults below: enforce_eager, gpu_memory_utilization 0.3, max_model_len MAX_MODEL_LEN or the model's context,
+    prefix caching off; on CPU a 2 GiB KV cache, kv_cache_memory_bytes, unless VLLM_CPU_KVCACHE_SPACE is set)."""
 
     def __init__(self, model_path: str, tokenizer, config: RolloutConfig | None = None, *,
                  dtype: str = "float32", hf_model: torch.nn.Module | None = None, seed: int = 0,
@@ -154,7 +177,8 @@ class VLLMEngine(RolloutEngine):
         self.model_path = str(model_path)
         kwargs: dict[str, Any] = dict(
             model=self.model_path, tokenizer=self.model_path, dtype=dtype, seed=seed, enforce_eager=True,
-            enable_prefix_caching=False, gpu_memory_utilization=0.3, max_model_len=2048,
+            enable_prefix_caching=False, gpu_memory_utilization=0.3,
+            max_model_len=default_max_model_len(self.model_path, hf_model),
             logprobs_mode="processed_logprobs",  # sampling log-probs after temperature/top_p, as TRL
             max_num_seqs=max(1, self.config.max_batch_size),
             worker_extension_cls=f"{WeightsWorkerExtension.__module__}.{WeightsWorkerExtension.__qualname__}")
@@ -175,8 +199,16 @@ class VLLMEngine(RolloutEngine):
         kwargs.update(placement)
         kwargs.update(self.config.vllm_kwargs or {})
         kwargs.update(extra)
-        with mock.patch.dict(os.environ, environment):  # restored after: see rank_engine_kwargs
-            self.llm = LLM(**kwargs)
+        from pydantic import ValidationError
+
+        try:
+            with mock.patch.dict(os.environ, environment):  # restored after: see rank_engine_kwargs
+                self.llm = LLM(**kwargs)
+        except (ValidationError, TypeError) as e:  # vLLM's checks of its arguments (vllm_kwargs among them)
+            raise ConfigError(f"model.rollout.vllm_kwargs: vLLM refused the engine's arguments: {joined(e)}") from None
+        except (RuntimeError, ValueError) as e:  # a model vLLM cannot run here (architecture, head size, memory)
+            raise ConfigError(f"model.rollout.engine vllm: vLLM could not start an engine for {self.model_path}: "
+                              f"{type(e).__name__}: {joined(e)}") from None
         table = hf_param_table(self.model_path, hf_model)
         self.hf_names = [n for n, _ in table]
         self.setup_info = self.llm.collective_rpc("esrl_setup", args=(table, self.model_path))
