@@ -18,6 +18,7 @@ def error_lines(out) -> list[str]:
     (["--model.es.population_size", "1"], "model.es.population_size"),
     (["--model.es.sigma", "0"], "model.es.sigma"),
     (["--model.es.sigma", "-0.1"], "model.es.sigma"),
+    (["--model.es.sigma", "-1e-3"], "model.es.sigma: must be > 0, got -0.001"),  # not "--model.es: expected one"
     (["--data.prompts_per_step", "3"],
      "data.prompts_per_step: 3 prompts per step, but task 'conciseness' has only 2 training prompts"),
     (["--trainer.strategy", "xla"], "trainer.strategy xla: ES runs on esrl's own strategy `es`"),

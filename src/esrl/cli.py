@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 import warnings
@@ -127,8 +128,24 @@ def _run_tool(name: str, argv: list[str]) -> None:
     getattr(importlib.import_module(module), func)(argv)
 
 
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
+
+def attach_negative_numbers(argv: list[str]) -> list[str]:
+    """`--model.es.sigma -1e-3` as `--model.es.sigma=-1e-3`: Python 3.11's argparse takes a negative number in
+    scientific notation for an option (and says the flag before it "expected one argument"); the value is left for
+    the field's own check to judge."""
+    out: list[str] = []
+    for arg in argv:
+        if out and _NEGATIVE_NUMBER.match(arg) and out[-1].startswith("--") and "=" not in out[-1]:
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(args: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if args is None else args
+    argv = attach_negative_numbers(sys.argv[1:] if args is None else [str(a) for a in args])
     if argv and argv[0] in TOOLS:
         try:
             _run_tool(argv[0], argv[1:])
@@ -147,7 +164,7 @@ def main(args: list[str] | None = None) -> None:
             trainer_defaults={"num_sanity_val_steps": 0, "log_every_n_steps": 1},
             save_config_kwargs={"overwrite": True},
             parser_kwargs={"epilog": TOOLS_HELP, "formatter_class": _HelpFormatter},  # the main parser's
-            args=args,
+            args=argv,
         )
     except EsrlError as e:
         print(f"esrl: error: {e}", file=sys.stderr)
