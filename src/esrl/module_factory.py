@@ -37,8 +37,9 @@ def fit_trainer_to_algo(algo: str, trainer: Any) -> list[str]:
     ES runs on its own strategy (no gradient all-reduce, unsharded prompts): Lightning's default, DDP's, DeepSpeed's
     and FSDP's (a GRPO config's) become `es`; any other strategy is refused in one line. ES has no gradient to clip
     or accumulate, so a GRPO config's `gradient_clip_val` and `accumulate_grad_batches` are dropped (Lightning
-    refuses both under ES's manual optimization), and its mixed precision becomes 32-true (MIXED). GRPO runs on Lightning's strategies: `es` becomes `auto`; FSDP is
-    refused (esrl reads the policy's weights whole outside its forward: generate, the engine sync, the final save).
+    refuses both under ES's manual optimization), and its mixed precision becomes 32-true (MIXED). GRPO runs on
+    Lightning's strategies: `es` becomes `auto`; FSDP is refused (esrl reads the policy's weights whole outside its
+    forward: generate, the engine sync, the final save).
     Returns one note per setting that a config had to lose, for the user to see.
     """
     notes: list[str] = []
