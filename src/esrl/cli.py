@@ -12,6 +12,7 @@ from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch.cli import LightningCLI
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
@@ -167,7 +168,8 @@ def main(args: list[str] | None = None) -> None:
             args=argv,
         )
     except EsrlError as e:
-        print(f"esrl: error: {e}", file=sys.stderr)
+        rank = getattr(rank_zero_only, "rank", 0) or 0  # every process raises a config's error: say whose line
+        print(f"esrl: error{f' [rank {rank}]' if rank else ''}: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     except SIGTERMException:  # Lightning's graceful stop exits 0; an interrupted run is no success
         raise SystemExit(EXIT_CODES[interruption.interrupted_by or "SIGTERM"]) from None
