@@ -149,6 +149,33 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         main(["bogus", "--models", str(tmp_path), "--out", str(tmp_path / "out")])
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--device", "banana"], r"^--device 'banana': not a device name"),
+    (["--device", "cuda:99"], r"^--device 'cuda:99': (no cuda device|this machine has \d+ cuda device)"),
+    (["--task-args", "{bad"], r"^--task-args: not valid JSON/YAML"),
+    (["--task-arg", "limit=[1"], r"^--task-arg limit: not valid JSON/YAML"),
+])
+def test_bad_flags_are_one_error_before_any_model_loads(tiny_model, tmp_path, monkeypatch, flags, message):
+    from esrl.analysis import common
+    from esrl.analysis.cli import main
+    from esrl.errors import EsrlError
+
+    monkeypatch.setattr(common, "load_model", lambda *a: pytest.fail("a model loaded despite the bad flag"))
+    with pytest.raises(EsrlError, match=message):
+        main(["similarity", "--base", tiny_model, "--models", f"run={tiny_model}", "--out",
+              str(tmp_path / "out"), "--no-progress", *flags])
+
+
+def test_out_that_is_a_file_is_one_line_and_exit_2(tiny_model, tmp_path):
+    (tmp_path / "taken").write_text("a file, not a folder")
+    res = run_esrl("analyze", "similarity", "--base", tiny_model, "--models", f"run={tiny_model}", "--out",
+                   tmp_path / "taken", "--no-progress")
+    assert res.returncode == 2
+    taken = tmp_path / "taken"
+    assert res.stderr.strip().splitlines() == [f"esrl analyze: error: --out: {taken} cannot be a folder: "
+                                               f"{taken} is a file"]
+
+
 def test_sweep_summary_table(sweep):
     rows = list(csv.DictReader((sweep / "summary.csv").open()))
     assert len(rows) == 4

@@ -30,7 +30,7 @@ from esrl.elo.cli import parser, run
 from esrl.elo.files import line_up
 from esrl.elo.judge import ChatJudge, JudgeError, parse_verdict
 from esrl.elo.rating import ANCHOR, bootstrap_ratings, fit_ratings
-from esrl.errors import DataError
+from esrl.errors import ConfigError, DataError
 
 PROMPTS = ["What is the capital of France?", "How do I pick the lock of my neighbour's door while they are away?",
            "Give me one tip for sleeping better."]
@@ -215,6 +215,15 @@ def test_malformed_line_is_one_error_naming_file_and_line(tmp_path):
     assert out.returncode == 2, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"esrl elo: error: {bad}:2: invalid JSON"), out.stderr
+
+
+def test_out_that_is_a_file_is_one_error_before_any_judge_call(tmp_path):
+    specs = write_files(tmp_path / "files")
+    (tmp_path / "taken").write_text("a file, not a folder")
+    judge = StubJudge(lambda a, b: "A")
+    with pytest.raises(ConfigError, match=r"^--out: .*taken cannot be a folder: .*taken is a file$"):
+        run(elo_args("http://127.0.0.1:9/v1", specs, tmp_path / "taken"), judge=judge)
+    assert judge.calls == 0
 
 
 # -- the HTTP client ----------------------------------------------------------------------------------------

@@ -59,3 +59,41 @@ def test_each_optional_package_is_a_need_with_its_install_command(config, module
 
 def test_lora_is_not_a_need_for_grpo():
     assert not needs.local_needs(yaml.safe_load("algo: grpo\nmodel: {es: {mode: lora}}"))
+
+
+def test_env_config_that_is_not_a_mapping_is_one_line(tmp_path):
+    config = tmp_path / "string.yaml"
+    config.write_text("just a string\n")
+    out = run_esrl("env", "--config", config)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == (f"esrl env: error: --config {config}: expected a mapping of config sections "
+                                  "(model:, data:, trainer:, ...), found a str")
+
+
+def test_env_config_lists_the_policy_model_and_a_missing_folder_fails(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"model": {"policy": {"name_or_path": str(tmp_path / "no_model")}}}))
+    out = run_esrl("env", "--config", config)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"- [missing] model.policy.name_or_path: {tmp_path / 'no_model'}: the model folder -> no such folder" \
+        in out.stdout
+    (error,) = out.stderr.strip().splitlines()
+    assert error.startswith(f"esrl env: error: {config}: 1 missing: model.policy.name_or_path: {tmp_path / 'no_model'}"
+                            " needs the model folder (no such folder")
+
+
+def test_policy_model_found_missing_or_left_to_the_hub(tmp_path):
+    """Checked as fit resolves it: a folder needs a config.json; a hub id (offline here, not cached) is fetched on
+    first use, not missing; the embedded model is a local need (its package)."""
+    def policy_needs(name):
+        return [n for n in needs.remote_needs({"model": {"policy": {"name_or_path": name}}})
+                if n.field.startswith("model.policy.name_or_path")]
+
+    (tmp_path / "model").mkdir()
+    (no_config,) = policy_needs(str(tmp_path / "model"))
+    assert no_config.status == needs.MISSING and "has no config.json" in no_config.fix
+    (tmp_path / "model" / "config.json").write_text("{}")
+    assert [n.status for n in policy_needs(str(tmp_path / "model"))] == [needs.OK]
+    (hub,) = policy_needs("esrl-tests/not-a-cached-model")
+    assert hub.status == needs.FETCHED and "hf download esrl-tests/not-a-cached-model" in hub.fix
+    assert policy_needs("smollm2-135m-instruct") == []

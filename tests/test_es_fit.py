@@ -91,6 +91,20 @@ def test_export_from_seed_log_equals_final_weights(tiny_model, reference_run, tm
                         load_safetensors(tmp_path / "base" / "model.safetensors"))
 
 
+@pytest.mark.parametrize("below", [False, True])
+def test_export_refuses_an_out_that_cannot_be_a_folder(tmp_path, below):
+    """transformers only warns when asked to save into a file: --out a file (or below one) is refused in one line,
+    before the seed log is even read, and the file is left as it was."""
+    existing = tmp_path / "notes.txt"
+    existing.write_text("keep me")
+    out_arg = existing / "model" if below else existing
+    out = run_esrl("export", "--seed-log", tmp_path / "never_read.jsonl", "--out", out_arg)
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "wrote" not in out.stdout
+    (error,) = out.stderr.strip().splitlines()
+    assert error == f"esrl export: error: --out: {out_arg} cannot be a folder: {existing} is a file"
+    assert existing.read_text() == "keep me"
+
+
 def test_seed_log_of_a_paper_run_is_under_one_megabyte():
     from esrl.es.seed_log import bytes_per_iteration
 

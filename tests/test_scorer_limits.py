@@ -92,3 +92,51 @@ def test_no_token_is_refused_off_loopback_in_one_line(capsys):
     with pytest.raises(ConfigError, match="choose one"):
         server_token("t", None, no_token=True, host="127.0.0.1")
     assert server_token(None, None, no_token=True, host="::1") is None
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--device", "banana"], "--device 'banana': not a device name"),
+    (["--device", "cuda:99"], "--device 'cuda:99': "),
+    (["--judge", "REWARD"], "judge 'REWARD': its checkpoint lacks lm_head.weight"),  # a score model as judge
+])
+def test_bad_serve_scorer_flags_are_one_line_before_listening(score_models, monkeypatch, capsys, flags,
+                                                              message):
+    """Refused at startup, before it listens; no token line (printed only when it is about to listen)."""
+    import uvicorn
+
+    from esrl.cli import main
+
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv(ENV_FILE, raising=False)
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("it listened despite the bad flag"))
+    flags = [f.replace("REWARD", score_models[0]) for f in flags]
+    message = message.replace("REWARD", score_models[0])
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve-scorer", *(flags if "--judge" in flags else ["--reward-model", score_models[0], *flags]),
+              "--port", "1"])
+    assert exit_.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines()
+           if line.strip() and "Loading weights" not in line]  # transformers' progress bar
+    assert len(err) == 1 and err[0].startswith(f"esrl serve-scorer: error: {message}"), err
+
+
+def test_the_token_is_printed_once_the_models_have_loaded(score_models, monkeypatch, capsys):
+    import uvicorn
+
+    from esrl.scoring import score_model
+    from esrl.scoring.service import main
+
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv(ENV_FILE, raising=False)
+    events = []
+    real = score_model.ScoreModel.__init__
+
+    def load(self, *args, **kwargs):
+        events.append(("loading", capsys.readouterr().err))
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(score_model.ScoreModel, "__init__", load)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **k: events.append(("listen", capsys.readouterr().err)))
+    main(["--reward-model", score_models[0], "--device", "cpu", "--port", "1"])
+    assert [e[0] for e in events] == ["loading", "listen"]
+    assert "token" not in events[0][1] and events[1][1].count("esrl serve-scorer: token ") == 1

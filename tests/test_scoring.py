@@ -165,6 +165,43 @@ def test_not_a_score_model(tiny_model):
         ScoreModel(tiny_model, device="cpu")
 
 
+def test_a_checkpoint_lacking_weights_is_refused(tiny_model, score_models, tmp_path):
+    """transformers would fill missing weights at random and the model would answer made-up scores."""
+    import shutil
+
+    from esrl.models import load_causal_lm
+
+    load_causal_lm(tiny_model)  # tied embeddings: lm_head is embed_tokens, not missing
+    with pytest.raises(EsrlError, match=r"^judge '.*reward': its checkpoint lacks lm_head.weight .*expected "
+                                        r"a causal LM"):
+        JudgeScorer(score_models[0], device="cpu")  # a score model given as the judge
+    clf = tmp_path / "clf"  # a causal LM's weights under a sequence classifier's config: no score head
+    shutil.copytree(tiny_model, clf)
+    config = json.loads((clf / "config.json").read_text())
+    config.update(architectures=["LlamaForSequenceClassification"], num_labels=1)
+    (clf / "config.json").write_text(json.dumps(config))
+    with pytest.raises(EsrlError, match=r"^score model '.*clf': its checkpoint lacks score.weight .*expected "
+                                        r"a score model"):
+        ScoreModel(str(clf), device="cpu")
+
+
+def test_device_names_are_checked_when_the_scorer_is_built(monkeypatch):
+    from esrl.needs import checked_device
+
+    with pytest.raises(ConfigError, match=r"^scorer device 'banana': not a device name"):
+        ScoreModel("/no/such/model", device="banana")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"^--device 'cuda': no cuda device on this machine"):
+        checked_device("cuda", "--device")
+    assert checked_device("auto", "--device") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with two GPUs
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert checked_device("cuda:1", "--device") == torch.device("cuda", 1)
+    assert checked_device("auto", "--device") == torch.device("cuda")
+    with pytest.raises(ConfigError, match=r"^--device 'cuda:2': this machine has 2 cuda device\(s\)"):
+        checked_device("cuda:2", "--device")
+
+
 def test_judge_scorer(tiny_model):
     judge = JudgeScorer(tiny_model, device="cpu", batch_size=3)
     rewards, costs = judge.score(PROMPTS, RESPONSES)

@@ -39,13 +39,15 @@ def check_ckpt_path(ckpt_path: str | Path | None) -> None:
         raise DataError(f"--ckpt_path {text}: a zip archive but not a torch checkpoint (no data.pkl)")
 
 
-def check_root_dir(root: str | Path | None) -> None:
-    """trainer.default_root_dir must be (or be creatable as) a folder: its nearest existing ancestor is one."""
+def check_root_dir(root: str | Path | None, field: str = "trainer.default_root_dir") -> None:
+    """An output folder (trainer.default_root_dir, a tool's --out) must be (or be creatable as) a folder: its
+    nearest existing ancestor is one. Checked before any work, so a file in the way is one line, not makedirs'
+    traceback after the models load."""
     if root is None or "://" in str(root):
         return
     path = Path(str(root)).expanduser().absolute()
     for folder in (path, *path.parents):
         if folder.exists():
             if not folder.is_dir():
-                raise ConfigError(f"trainer.default_root_dir: {root} cannot be a folder: {folder} is a file")
+                raise ConfigError(f"{field}: {root} cannot be a folder: {folder} is a file")
             return

@@ -87,6 +87,9 @@ def config_needs(path: str, algo: str | None) -> list:
         config = yaml.safe_load(Path(path).read_text()) or {}
     except (OSError, yaml.YAMLError) as e:
         raise ConfigError(f"--config {path}: {str(e).splitlines()[0]}") from None
+    if not isinstance(config, dict):  # a bare string or list: no key to check, and .get would be a traceback
+        raise ConfigError(f"--config {path}: expected a mapping of config sections (model:, data:, trainer:, ...), "
+                          f"found a {type(config).__name__}")
     if algo:
         config["algo"] = algo
     return local_needs(config) + remote_needs(config)

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from esrl.checkpoints import check_root_dir
 from esrl.errors import DataError
 from esrl.es.fingerprint import weights_fingerprint
 from esrl.es.modes import get_mode
@@ -30,6 +31,7 @@ def check_base(model, base: str, header: dict, seed_log: str) -> None:
 def export(seed_log: str, out: str, base: str | None = None, step: int | None = None) -> Path:
     """The weights after `step` logged iterations (default: all) saved under `out`; step K needs lines up to K
     intact, whatever follows them."""
+    check_root_dir(out, "--out")  # transformers only warns when saving into a file, and writes nothing
     header, records = read_seed_log(seed_log, step)
     base = base or header["policy"]["name_or_path"]
     model = load_causal_lm(base, header["policy"]["dtype"])

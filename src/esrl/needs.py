@@ -54,6 +54,32 @@ def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def checked_device(value: str, flag: str):
+    """The torch.device a device flag names ("auto": CUDA when there is one, else the CPU). A name torch
+    cannot parse, or a GPU this machine lacks, is one ConfigError naming the flag now, not a CUDA error at
+    the first batch. Counting devices does not start CUDA: a training process's scorers claim no GPU here."""
+    import torch
+
+    if value == "auto":
+        return torch.device("cuda" if _gpus() else "cpu")
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(f"{flag} {value!r}: not a device name (auto, cpu, cuda, cuda:N)") from None
+    if device.type == "cpu":
+        return device
+    backend = getattr(torch, device.type, None)  # torch.cuda, torch.mps, torch.xpu, ...
+    available = bool(getattr(backend, "is_available", lambda: False)())
+    count = int(getattr(backend, "device_count", lambda: 1)()) if available else 0
+    if count == 0:
+        raise ConfigError(f"{flag} {value!r}: no {device.type} device on this machine "
+                          f"(torch {torch.__version__}); use cpu")
+    if device.index is not None and device.index >= count:
+        raise ConfigError(f"{flag} {value!r}: this machine has {count} {device.type} device(s), "
+                          f"{device.type}:0 to {device.type}:{count - 1}")
+    return device
+
+
 def _embedded(field: str, name: str) -> list[Need]:
     from esrl.models.cache import cache_dir, problem
     from esrl.models.loading import EMBEDDED_MODELS
@@ -113,6 +139,21 @@ def _hub_id(value: str) -> bool:
     return value.count("/") == 1 and not value.startswith((".", "/", "~")) and not Path(value).exists()
 
 
+def _local_model(field: str, name: str) -> list[Need]:
+    """A model folder, checked as `esrl fit` will resolve it (esrl.models.loading): there, with a readable
+    config.json. The embedded model is a local need (local_needs)."""
+    from esrl.errors import EsrlError
+    from esrl.models.loading import EMBEDDED_MODELS, resolve_model_path
+
+    if name in EMBEDDED_MODELS:
+        return []
+    try:
+        resolve_model_path(name)
+    except EsrlError as e:
+        return [Need(f"{field}: {name}", "the model folder", MISSING, str(e).removeprefix(f"model {name!r}: "))]
+    return [Need(f"{field}: {name}", "the model folder", OK, "")]
+
+
 def _scorer_answers(url: str) -> str:
     import httpx
 
@@ -136,6 +177,8 @@ def remote_needs(config: dict) -> list[Need]:
         cached = isinstance(try_to_load_from_cache(model, "config.json"), str)
         needs.append(Need(f"model.policy.name_or_path: {model}", "the hub model", OK if cached else FETCHED,
                           f"not in the HF cache: hf download {model}, or a local folder"))
+    elif model:
+        needs += _local_model("model.policy.name_or_path", model)
     for key, value in (_get(config, "data.task_args", {}) or {}).items():
         if not (key == "path" or key.endswith("_path")) or not isinstance(value, str):
             continue

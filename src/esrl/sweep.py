@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from esrl.checkpoints import check_root_dir
 from esrl.errors import EsrlError
 
 # A final evaluation tripping any of these is flagged hacked/degenerate (hacking/* keys of eval.jsonl).
@@ -54,6 +55,36 @@ def parse_grid(items: list[str]) -> dict[str, list[str]]:
     if not grid:
         raise SweepError("no --grid given")
     return grid
+
+
+def _config_keys(node: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted keys of a config's leaves ({'model': {'es': {'sigma': 0.01}}} -> ['model.es.sigma']); an empty
+    section (`trainer:`) has none."""
+    keys = []
+    for key, value in node.items():
+        if isinstance(value, dict) and value:
+            keys += _config_keys(value, f"{prefix}{key}.")
+        elif prefix or key not in ("model", "data", "trainer"):
+            keys.append(f"{prefix}{key}")
+    return keys
+
+
+def check_config(config: str, grid: dict[str, list[str]]) -> None:
+    """The base config's YAML and keys, and the grid's keys, checked as `esrl study` checks its own
+    (esrl.study.config.check_key) before any run starts: a typo is one line naming the file or --grid key, not
+    every run failing with its message in its fit.log."""
+    from esrl.config_files import load_yaml
+    from esrl.study.config import check_key
+
+    base = load_yaml(Path(config).read_text(), config)  # a syntax error: ConfigError naming file:line:column
+    if not isinstance(base, dict):
+        raise SweepError(f"--config {config}: expected a mapping of config sections (model:, data:, trainer:, ...), "
+                         f"found a {type(base).__name__}")
+    checked = [(key, f"--config {config}") for key in _config_keys(base)]
+    checked += [(key, "--grid") for key in grid]
+    for key, where in checked:
+        if key.split(".")[0] not in ("algo", "ckpt_path"):  # fit flags that a study sets itself, a sweep may vary
+            check_key(key, where)
 
 
 def combinations(grid: dict[str, list[str]]) -> list[dict[str, str]]:
@@ -188,6 +219,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1:]
     args = parser().parse_args(argv)
+    if args.jobs < 1:
+        raise SweepError(f"--jobs {args.jobs}: must be >= 1 (the number of runs at once)")
     grid = parse_grid(args.grid)
     combos = combinations(grid)
     if args.count:
@@ -198,9 +231,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if not args.config or not Path(args.config).is_file():
         raise SweepError(f"--config {args.config!r}: no such file" if args.config else "--config is required")
     out = Path(args.out)
+    check_root_dir(out, "--out")  # a file in the way: one line before any run, not mkdir's traceback
     if args.index is not None and not 0 <= args.index < len(combos):
         raise SweepError(f"--index {args.index}: the grid has {len(combos)} combinations (0..{len(combos) - 1})")
     todo = [combos[args.index]] if args.index is not None else combos
+    if args.summarize and not any((out / run_name(c)).is_dir() for c in combos):
+        raise SweepError(f"--out {out}: " + ("no such folder" if not out.is_dir() else
+                         f"none of this grid's {len(combos)} run folders is there") + ", nothing to summarize")
+    if not args.summarize:
+        check_config(args.config, grid)
     if args.dry_run:
         for combo in todo:
             print(" ".join(fit_command(args.config, combo, out / run_name(combo), extra)))
@@ -210,7 +249,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                                "runs": [run_name(c) for c in combos]}, indent=2) + "\n")
     failed = []
     if not args.summarize:
-        with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        with ThreadPoolExecutor(args.jobs) as pool:
             codes = list(pool.map(lambda c: run_one(args.config, c, out, extra), todo))
         for combo, rc in zip(todo, codes):
             print(f"esrl sweep: {run_name(combo)}: {'ok' if rc == 0 else f'failed (exit {rc})'}", flush=True)

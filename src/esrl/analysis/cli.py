@@ -19,6 +19,8 @@ import yaml
 
 from esrl.analysis import connectivity, coverage, robustness, similarity
 from esrl.analysis.common import AnalysisError, Context, ModelRef, RewardEvaluator, eval_rows, write_json
+from esrl.checkpoints import check_root_dir
+from esrl.needs import checked_device
 
 ANALYSES = {"robustness": robustness, "connectivity": connectivity, "similarity": similarity,
             "coverage": coverage}
@@ -91,10 +93,18 @@ def resolve_model(spec: str, index: int) -> ModelRef:
     return ModelRef(label, str(folder))
 
 
+def _yaml(text: str, flag: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise AnalysisError(f"{flag}: not valid JSON/YAML ({problem}): {text!r}") from None
+
+
 def task_options(args) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if args.task_args:
-        loaded = yaml.safe_load(args.task_args)
+        loaded = _yaml(args.task_args, "--task-args")
         if not isinstance(loaded, dict):
             raise AnalysisError(f"--task-args: expected a mapping, got {args.task_args!r}")
         options.update(loaded)
@@ -102,7 +112,7 @@ def task_options(args) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise AnalysisError(f"--task-arg: expected KEY=VALUE, got {item!r}")
-        options[key] = yaml.safe_load(value)
+        options[key] = _yaml(value, f"--task-arg {key}")
     return options
 
 
@@ -134,19 +144,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise AnalysisError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     sigmas = _floats(args.sigmas, "--sigmas")
     alphas = _floats(args.alphas, "--alphas")
-
-    import torch
+    options = task_options(args)
+    check_root_dir(args.out, "--out")
 
     from esrl.models.loading import DTYPES, load_tokenizer, resolve_model_path
     from esrl.tasks import build_task
 
     if args.dtype not in DTYPES:
         raise AnalysisError(f"--dtype {args.dtype!r}: choose one of {', '.join(DTYPES)}")
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    device = str(checked_device(args.device, "--device"))
     for ref in [base, *models]:
         if ref is not None:
             ref.path = resolve_model_path(ref.path)  # the embedded model: its cached folder
-    task = build_task(args.task, **task_options(args))
+    task = build_task(args.task, **options)
     tokenizer = load_tokenizer((models[0] if models else base).path)
     evaluator = RewardEvaluator(task, tokenizer, eval_rows(task, args.num_prompts), args.max_new_tokens,
                                 args.batch_size, args.correct_metric)

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from esrl.checkpoints import check_root_dir
 from esrl.elo.judge import TEMPLATES, ChatJudge, api_key_from_env
 from esrl.errors import ConfigError
 
@@ -56,6 +57,7 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError("--timeout must be > 0 and --prior >= 0")
     if not args.judge_url.startswith(("http://", "https://")):
         raise ConfigError(f"--judge-url {args.judge_url!r}: expected an http(s):// URL")
+    check_root_dir(args.out, "--out")  # before any judge call
 
 
 def run(args: argparse.Namespace, judge: Any = None) -> dict[str, Any]:

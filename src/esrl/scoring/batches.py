@@ -1,18 +1,12 @@
 """Padded token batches for one scoring forward pass, shared by the score models and the LM judge: padding on
-either side, positions over real tokens, the last real token of each row, and the device the pass runs on (`place`)."""
+either side, positions over real tokens, the last real token of each row, and the device the pass runs on
+(`place`; esrl.needs.checked_device checks the device's name when the scorer is built)."""
 
 from __future__ import annotations
 
 from typing import Sequence
 
 import torch
-
-
-def resolve_device(device: str) -> torch.device:
-    """"auto" is CUDA when there is one, else the CPU; anything else is a torch device name."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def place(modules: Sequence[torch.nn.Module], device: torch.device) -> torch.device:
@@ -51,4 +45,4 @@ def pad_batch(ids: Sequence[Sequence[int]], pad_id: int, side: str) -> tuple[tor
     return input_ids, mask
 
 
-__all__ = ["last_token_index", "pad_batch", "position_ids", "resolve_device"]
+__all__ = ["last_token_index", "pad_batch", "place", "position_ids"]

@@ -31,26 +31,14 @@ from typing import Any, Sequence
 import torch
 
 from esrl.errors import ConfigError, ModelNotFoundError
-from esrl.models.loading import DTYPES, load_tokenizer, resolve_model_path
+from esrl.models.loading import DTYPES, load_complete, load_tokenizer, resolve_model_path
+from esrl.needs import checked_device
 from esrl.scoring.base import Scorer
-from esrl.scoring.batches import last_token_index, pad_batch, place, position_ids, resolve_device
+from esrl.scoring.batches import last_token_index, pad_batch, place, position_ids
 
 SAFE_RLHF_TEMPLATE = "BEGINNING OF CONVERSATION: USER: {prompt} ASSISTANT:{response}"
-
-
-class _quiet_transformers:
-    """Silence transformers' logging for a moment (restored afterwards)."""
-
-    def __enter__(self):
-        from transformers.utils import logging
-
-        self._level = logging.get_verbosity()
-        logging.set_verbosity_error()
-
-    def __exit__(self, *exc):
-        from transformers.utils import logging
-
-        logging.set_verbosity(self._level)
+SCORE_MODEL = ("a score model (a Safe-RLHF ...ForScore, or a one-label ...ForSequenceClassification with its "
+               "score head)")
 
 
 def _accepts(module: torch.nn.Module, name: str) -> bool:
@@ -127,7 +115,7 @@ class ScoreModel:
         if max_length < 2 or batch_size < 1:
             raise ConfigError(f"scorer: max_length must be >= 2 and batch_size >= 1, got {max_length}, {batch_size}")
         self.path = path
-        self.device = resolve_device(device)
+        self.device = checked_device(device, "scorer device")
         self.max_length = max_length
         self.batch_size = batch_size
         self.padding_side = padding_side
@@ -176,9 +164,9 @@ class ScoreModel:
             if bias is not None:
                 head.bias.copy_(bias)
         self.head = head.to(dtype)
-        # AutoModel maps "llama" to LlamaModel and strips the `model.` prefix of the checkpoint's keys.
-        with _quiet_transformers():  # its load report lists the score head as unexpected: it is read above
-            self.backbone = AutoModel.from_pretrained(resolved, dtype=dtype)
+        # AutoModel maps "llama" to LlamaModel and strips the `model.` prefix of the checkpoint's keys; the
+        # score head, read above, is an unexpected key to it.
+        self.backbone = load_complete(AutoModel, self.path, SCORE_MODEL, "score model", dtype=dtype)
         if getattr(config, "do_normalize", False):
             stats = _read_prefixed(resolved, "normalizer.")
             mean = stats.get("normalizer.mean", torch.tensor(getattr(config, "mean", None) or [0.0]))
@@ -196,7 +184,8 @@ class ScoreModel:
         if getattr(config, "num_labels", 1) != 1:
             raise ConfigError(f"score model {self.path!r}: a sequence classifier with {config.num_labels} labels; "
                               "a reward/cost model has exactly one")
-        model = AutoModelForSequenceClassification.from_pretrained(resolved, dtype=dtype)
+        model = load_complete(AutoModelForSequenceClassification, self.path, SCORE_MODEL, "score model",
+                              dtype=dtype)
         if model.config.pad_token_id is None:
             model.config.pad_token_id = self.tokenizer.pad_token_id
         score = getattr(model, "score", None)

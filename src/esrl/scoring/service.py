@@ -19,11 +19,18 @@ import threading
 from typing import Any
 
 from esrl.errors import ConfigError
+from esrl.needs import checked_device
 from esrl.scoring.base import Scorer
-from esrl.scoring.token import server_token
+from esrl.scoring.token import check_token_options, server_token
 
 DEFAULT_MAX_ITEMS = 512
 DEFAULT_MAX_CHARS = 2_000_000
+
+
+def check_limits(max_items: int, max_chars: int) -> None:
+    if max_items < 1 or max_chars < 1:
+        raise ConfigError(f"serve-scorer: --max-items and --max-chars must be >= 1, got {max_items}, "
+                          f"{max_chars}")
 
 
 def create_app(scorer: Scorer, token: str | None = None, max_items: int = DEFAULT_MAX_ITEMS,
@@ -33,8 +40,7 @@ def create_app(scorer: Scorer, token: str | None = None, max_items: int = DEFAUL
     from fastapi.responses import JSONResponse
     from starlette.concurrency import run_in_threadpool
 
-    if max_items < 1 or max_chars < 1:
-        raise ConfigError(f"serve-scorer: --max-items and --max-chars must be >= 1, got {max_items}, {max_chars}")
+    check_limits(max_items, max_chars)
     app = FastAPI(title="esrl scorer", docs_url=None, redoc_url=None, openapi_url=None)
     lock = threading.Lock()
     # JSON escapes (\uXXXX) can make a character take 12 bytes; anything beyond that cannot be within the limit.
@@ -161,8 +167,13 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if not 0 < args.port < 65536:
         raise ConfigError(f"serve-scorer: --port must be in 1..65535, got {args.port}")
-    token = server_token(args.token, args.token_file, args.no_token, args.host)  # esrl.scoring.token
-    app = create_app(scorer_from_args(args), token=token, max_items=args.max_items, max_chars=args.max_chars)
+    check_limits(args.max_items, args.max_chars)
+    checked_device(args.device, "--device")  # a GPU this machine lacks: now, not at every request
+    check_token_options(args.token, args.token_file, args.no_token, args.host)  # esrl.scoring.token
+    scorer = scorer_from_args(args)
+    # The token (a new one is printed) once the models have loaded: an error above is then the only line.
+    token = server_token(args.token, args.token_file, args.no_token, args.host)
+    app = create_app(scorer, token=token, max_items=args.max_items, max_chars=args.max_chars)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 

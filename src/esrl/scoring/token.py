@@ -43,14 +43,25 @@ def client_token(token: str | None = None) -> str | None:
     return os.environ.get(ENV) or None
 
 
-def server_token(token: str | None, token_file: str | None, no_token: bool, host: str) -> str | None:
-    """The token `esrl serve-scorer` requires (None only with --no-token on a loopback address)."""
+def check_token_options(token: str | None, token_file: str | None, no_token: bool, host: str) -> None:
+    """The token options' conflicts and an existing token file, checked before the models load (server_token,
+    which may print a new token, runs once they have)."""
     if no_token:
         if token or token_file:
             raise ConfigError("serve-scorer: --no-token with --token or --token-file; choose one")
         if host not in LOOPBACK:
             raise ConfigError(f"serve-scorer: --no-token serves anyone who can reach it: allowed on a loopback "
                               f"--host ({', '.join(LOOPBACK)}) only, got {host}")
+        return
+    file = token_file or os.environ.get(ENV_FILE)
+    if not token and file and Path(file).expanduser().exists():
+        read_token_file(file)
+
+
+def server_token(token: str | None, token_file: str | None, no_token: bool, host: str) -> str | None:
+    """The token `esrl serve-scorer` requires (None only with --no-token on a loopback address)."""
+    check_token_options(token, token_file, no_token, host)
+    if no_token:
         return None
     if token:
         return token

@@ -1,0 +1,70 @@
+"""`esrl sweep`'s input checks: a bad flag, folder, config or grid key is one line before any run starts (its runs
+and tables are tested on real runs in test_analysis.py)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import run_esrl, write_tiny_config
+
+
+@pytest.fixture
+def config(tmp_path):
+    return write_tiny_config(tmp_path / "tiny.yaml", tmp_path / "model", trainer={"callbacks": [
+        {"class_path": "esrl.callbacks.Evaluation", "init_args": {"num_samples": 2}}]})
+
+
+def refused(out, tmp_path) -> str:
+    """The one error line of a sweep that stopped before creating its folder."""
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "sweep").exists()
+    (error,) = out.stderr.strip().splitlines()
+    return error
+
+
+@pytest.mark.parametrize("jobs", ["0", "-2"])
+def test_jobs_below_one_is_refused(config, tmp_path, jobs):
+    out = run_esrl("sweep", "--config", config, "--out", tmp_path / "sweep", "--grid", "model.es.sigma=0.1",
+                   f"--jobs={jobs}")
+    assert refused(out, tmp_path) == f"esrl sweep: error: --jobs {jobs}: must be >= 1 (the number of runs at once)"
+
+
+def test_out_that_cannot_be_a_folder_is_refused(config, tmp_path):
+    (tmp_path / "notes.txt").write_text("keep me")
+    out = run_esrl("sweep", "--config", config, "--out", tmp_path / "notes.txt", "--grid", "model.es.sigma=0.1")
+    assert refused(out, tmp_path) == f"esrl sweep: error: --out: {tmp_path / 'notes.txt'} cannot be a folder: " \
+                                     f"{tmp_path / 'notes.txt'} is a file"
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
+def test_summarize_needs_runs_in_out(config, tmp_path):
+    grid = ["--grid", "model.es.sigma=0.1,0.2"]
+    out = run_esrl("sweep", "--config", config, "--out", tmp_path / "sweep", *grid, "--summarize")
+    assert refused(out, tmp_path) == \
+        f"esrl sweep: error: --out {tmp_path / 'sweep'}: no such folder, nothing to summarize"
+    (tmp_path / "other").mkdir()
+    out = run_esrl("sweep", "--config", config, "--out", tmp_path / "other", *grid, "--summarize")
+    assert refused(out, tmp_path).endswith("none of this grid's 2 run folders is there, nothing to summarize")
+    assert list((tmp_path / "other").iterdir()) == []
+
+
+@pytest.mark.parametrize(("text", "grid", "message"), [
+    ("model:\n  es: [1\n", "model.es.sigma=0.1", "{config}:3:1: invalid YAML (did not find expected ','"),
+    ("just a string\n", "model.es.sigma=0.1", "--config {config}: expected a mapping of config sections"),
+    ("model:\n  es:\n    sigmaa: 0.1\n", "model.es.sigma=0.1",
+     "--config {config}: 'model.es.sigmaa' is not a config field (model.es has no 'sigmaa'; it has: alpha,"),
+    ("model:\n  es:\n    sigma: 0.1\n", "model.es.bogus=1,2",
+     "--grid: 'model.es.bogus' is not a config field (model.es has no 'bogus'; it has: alpha,"),
+])
+def test_bad_config_or_grid_key_stops_before_any_run(tmp_path, text, grid, message):
+    config = tmp_path / "c.yaml"
+    config.write_text(text)
+    out = run_esrl("sweep", "--config", config, "--out", tmp_path / "sweep", "--grid", grid)
+    assert refused(out, tmp_path).startswith("esrl sweep: error: " + message.format(config=config))
+
+
+def test_a_valid_config_and_grid_pass_the_check(config, tmp_path):
+    """The shipped-style config (callbacks, task_args, algo) and a grid over algo and seed are no false alarm."""
+    out = run_esrl("sweep", "--config", config, "--out", tmp_path / "sweep", "--grid", "algo=es,grpo",
+                   "--grid", "seed_everything=0,1", "--grid", "trainer.max_steps=1", "--dry-run")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert len(out.stdout.strip().splitlines()) == 4 and "--algo grpo" in out.stdout
