@@ -128,9 +128,13 @@ def test_ckpt_check_accepts_real_checkpoints_and_refuses_garbage(tmp_path):
     from esrl.errors import DataError
 
     torch.save({"state_dict": {}}, tmp_path / "ok.ckpt")
-    (tmp_path / "deepspeed.ckpt").mkdir()  # DeepSpeed checkpoints are folders
+    (tmp_path / "deepspeed.ckpt" / "checkpoint").mkdir(parents=True)  # DeepSpeed's: a folder, its tag's within
+    (tmp_path / "deepspeed.ckpt" / "latest").write_text("checkpoint")
     for fine in (tmp_path / "ok.ckpt", tmp_path / "deepspeed.ckpt", "last", None):
         check_ckpt_path(fine)
+    (tmp_path / "runs").mkdir()  # any other folder (a run's, say) is no checkpoint
+    with pytest.raises(DataError, match="runs: a folder, but not a DeepSpeed checkpoint"):
+        check_ckpt_path(tmp_path / "runs")
     (tmp_path / "garbage.ckpt").write_bytes(bytes(range(256)) * 4)
     with pytest.raises(DataError, match="garbage.ckpt: not a readable checkpoint"):
         check_ckpt_path(tmp_path / "garbage.ckpt")

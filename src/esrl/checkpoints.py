@@ -27,7 +27,10 @@ def check_ckpt_path(ckpt_path: str | Path | None) -> None:
     path = Path(text).expanduser()
     if not path.exists():
         raise DataError(f"--ckpt_path {text}: no such file")
-    if path.is_dir():  # a DeepSpeed checkpoint: Lightning reads its folder
+    if path.is_dir():  # a DeepSpeed checkpoint: Lightning reads its folder (DeepSpeed's `latest` and its tag's folder)
+        if not ((path / "latest").is_file() or (path / "checkpoint").is_dir()):
+            raise DataError(f"--ckpt_path {text}: a folder, but not a DeepSpeed checkpoint (no `latest` file or "
+                            "checkpoint/ folder in it); give a .ckpt file")
         return
     try:
         with zipfile.ZipFile(path) as archive:
