@@ -224,3 +224,11 @@ def test_an_error_every_process_raises_is_one_line_each_naming_its_rank(tiny_mod
     lines = [line for line in out.stderr.splitlines() if line.startswith("esrl: error")]
     assert sorted(line.split(":")[1] for line in lines) in ([" error"], [" error", " error [rank 1]"]), lines
     assert all("selects no parameter" in line for line in lines)
+
+
+def test_predict_is_no_subcommand():
+    """esrl's modules generate and score in their steps, with no predict step: `esrl predict` is refused by the parser
+    like any unknown command, not by Lightning's traceback after the model loads."""
+    out = run_esrl("predict", "--config", DEMO)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "invalid choice: 'predict' (choose from 'fit', 'validate', 'test')" in error_lines(out)[0]

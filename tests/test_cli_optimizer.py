@@ -52,3 +52,17 @@ def test_without_flags_grpo_keeps_trl_defaults(tiny_model, tmp_path):
 def test_es_refuses_the_optimizer_flag_naming_it(tiny_model, tmp_path):
     with pytest.raises(ConfigError, match="^--optimizer: .*model.es.optimizer"):
         cli(tiny_model, tmp_path, "es", "--optimizer", "torch.optim.SGD", "--optimizer.lr", "0.1")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--optimizer", "torch.optim.SGD", "--optimizer.lr=-1"], "--optimizer: Invalid learning rate: -1.0"),
+    (["--lr_scheduler", "torch.optim.lr_scheduler.ReduceLROnPlateau"],
+     "--lr_scheduler ReduceLROnPlateau: steps on a monitored metric"),
+])
+def test_what_torch_or_lightning_refuse_in_the_flags_is_one_config_error_naming_the_flag(tiny_model, tmp_path,
+                                                                                        flags, message):
+    """torch checks an optimizer's arguments, Lightning a plateau schedule's monitor, only once they are built
+    (after the model loads): a ConfigError naming the flag, not their tracebacks."""
+    with pytest.raises(ConfigError) as err:
+        optimizers(cli(tiny_model, tmp_path, "grpo", *flags))
+    assert str(err.value).startswith(message)

@@ -30,6 +30,11 @@ from esrl.needs import check as check_needs
 
 
 class EsrlCLI(LightningCLI):
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """fit, validate and test: esrl's modules generate and score in their steps, they have no `predict`."""
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name != "predict"}
+
     def init_parser(self, **kwargs):
         """Every parser (main and subcommands) reads config files through esrl.config_files, so a YAML error
         names its file, and raise their errors for main() to print in one line."""

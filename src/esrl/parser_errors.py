@@ -27,4 +27,4 @@ def one_line(message: str) -> str:
 
 def help_hint(argv: list[str]) -> str:
     command = next((a for a in argv if not a.startswith("-")), None)
-    return f"esrl {command} --help" if command in ("fit", "validate", "test", "predict") else "esrl --help"
+    return f"esrl {command} --help" if command in ("fit", "validate", "test") else "esrl --help"

@@ -149,9 +149,13 @@ class GRPOModule(PolicyModule):
         if self.optimizer_factory is None:
             optimizer = default_adamw(params, self.grpo)
         else:
-            optimizer = self.optimizer_factory([p for _, p in params])
+            optimizer = built("--optimizer", self.optimizer_factory, [p for _, p in params])
         if self.lr_scheduler_factory is not None:
-            return LightningCLI.configure_optimizers(self, optimizer, self.lr_scheduler_factory(optimizer))
+            scheduler = built("--lr_scheduler", self.lr_scheduler_factory, optimizer)
+            if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):  # Lightning wants a monitor
+                raise ConfigError("--lr_scheduler ReduceLROnPlateau: steps on a monitored metric, which esrl does "
+                                  "not name for it; use a schedule by step (StepLR, CosineAnnealingLR, ...)")
+            return LightningCLI.configure_optimizers(self, optimizer, scheduler)
         if self.optimizer_factory is not None:
             return optimizer
         scheduler = default_schedule(optimizer, self.grpo, self.trainer.estimated_stepping_batches)
@@ -360,6 +364,15 @@ class GRPOModule(PolicyModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
         checkpoint["esrl_grpo"] = {"config": asdict(self.grpo), "run_seed": self.run_seed}
+
+
+def built(flag: str, factory, *args):
+    """A command line's optimizer or schedule, built: the arguments torch refuses (a negative lr) are one line
+    naming the flag."""
+    try:
+        return factory(*args)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{flag}: {e}") from None
 
 
 COUNTS = {"train/bad_rewards"}
