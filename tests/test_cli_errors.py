@@ -34,6 +34,9 @@ def error_lines(out) -> list[str]:
     (["--model.es.exclude", "[(]"], "model.es.exclude: '(' is not a regular expression"),
     (["--model.es.momentum", "1.5"], "model.es.momentum: must be in [0, 1)"),
     (["--model.rollout.stop", '[""]'], "model.rollout.stop: stop strings must be non-empty"),
+    (["--algo", "grpo", "--model.grpo.lora", "{layers: '5-9'}"],
+     "model.grpo.lora.layers: '5-9' reaches past the model's 2 layers (0-1)"),  # not PEFT's "target modules"
+    (["--model.es.mode", "lora", "--model.es.layers", "1-3"], "model.es.layers: '1-3' reaches past the model's 2"),
 ])
 def test_bad_config_exits_with_one_line(args, culprit, tiny_model):
     out = run_esrl("fit", "--config", DEMO, "--model.policy.name_or_path", tiny_model, *args)

@@ -94,6 +94,10 @@ def wrap_lora(model: torch.nn.Module, options: LoraOptions, seed: int, fields: L
     except ImportError:
         raise ConfigError(f"{fields.switch} needs the peft package (pip install 'esrl[peft]')") from None
     layers = parse_layer_ranges(options.layers)
+    count = getattr(model.config, "num_hidden_layers", None)
+    if layers is not None and count is not None and max(layers) >= count:
+        raise ConfigError(f"{fields.layers}: {options.layers!r} reaches past the model's {count} layers "
+                          f"(0-{count - 1})")
     config = LoraConfig(r=options.rank, lora_alpha=options.alpha, target_modules=list(options.target_modules),
                         layers_to_transform=sorted(layers) if layers is not None else None, lora_dropout=0.0,
                         bias="none", task_type="CAUSAL_LM")
