@@ -235,3 +235,24 @@ def test_predict_is_no_subcommand():
     out = run_esrl("predict", "--config", DEMO)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "invalid choice: 'predict' (choose from 'fit', 'validate', 'test')" in error_lines(out)[0]
+
+
+@pytest.mark.parametrize("algo", ["es", "grpo"])
+def test_a_prompt_past_the_models_context_is_one_line_not_hours_of_attention(algo, tiny_model, tmp_path):
+    """A data line of megabytes once ran for hours (its attention) and ignored SIGTERM, waiting for the step's end; a
+    prompt that leaves no room for max_new_tokens in the model's context (the tiny model's 512 positions) stops
+    the run at its first rollout, in one line, with no final/."""
+    import json
+
+    from conftest import FIXTURES
+
+    train = tmp_path / "train.jsonl"
+    train.write_text(json.dumps({"question": "why " * 200_000, "answer": "1"}) + "\n")
+    out = run_esrl("fit", "--config", DEMO, "--model.policy.name_or_path", tiny_model, "--algo", algo,
+                   "--data.task_args", json.dumps({"train_path": str(train),
+                                                   "eval_path": str(FIXTURES / "conciseness_eval2.jsonl")}),
+                   "--data.prompts_per_step", "1", "--trainer.default_root_dir", tmp_path / "runs", timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    (line,) = error_lines(out)
+    assert "exceed the model's context of 512 tokens" in line and "'why why" in line, line
+    assert not list((tmp_path / "runs").rglob("final"))

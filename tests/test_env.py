@@ -18,6 +18,19 @@ def test_env_lists_versions_devices_and_the_model_cache():
         assert f"- {key}: " in out.stdout, key
 
 
+def test_env_names_an_esrl_cache_on_a_file_and_exits_non_zero(tmp_path, monkeypatch):
+    """No embedded model can be converted there: listed as missing, one error line naming ESRL_CACHE."""
+    (tmp_path / "cachefile").write_text("not a folder\n")
+    for cache in (tmp_path / "cachefile", tmp_path / "cachefile" / "below"):
+        monkeypatch.setenv("ESRL_CACHE", str(cache))
+        out = run_esrl("env")
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+        assert "- Embedded model: smollm2-135m-instruct: missing" in out.stdout
+        assert out.stderr.strip().splitlines() == [
+            f"esrl env: error: ESRL_CACHE: {cache} cannot be a folder: {tmp_path / 'cachefile'} is a file; "
+            "point ESRL_CACHE at a folder"]
+
+
 def test_env_configs_prints_the_shipped_configs_folder():
     out = run_esrl("env", "--configs")
     assert out.returncode == 0 and (ROOT / "configs" / "demo" / "es_conciseness.yaml").samefile(

@@ -91,3 +91,31 @@ def test_embedded_model_cache_is_checked_on_every_resolve(tmp_path, monkeypatch)
     assert loading.resolve_model_path("smollm2-135m-instruct") == path and len(converted) == 1
     truncate(tmp_path / "smollm2-135m-instruct")
     assert loading.resolve_model_path("smollm2-135m-instruct") == path and len(converted) == 2
+
+
+@pytest.fixture(params=["file", "below-a-file"])
+def cache_on_a_file(request, tmp_path, monkeypatch):
+    """ESRL_CACHE that is a regular file, or a path below one (it cannot be created)."""
+    (tmp_path / "cachefile").write_text("not a folder\n")
+    cache = tmp_path / "cachefile" / ("below" if request.param == "below-a-file" else "")
+    monkeypatch.setenv("ESRL_CACHE", str(cache))
+    return cache
+
+
+def test_cache_on_a_file_is_one_line_naming_esrl_cache(cache_on_a_file, tmp_path):
+    """Refused before any conversion: by `ensure`, by the fit's needs check, and by `esrl fit` itself."""
+    from conftest import run_esrl, write_tiny_config
+
+    from esrl.errors import ConfigError
+    from esrl.needs import check
+
+    with pytest.raises(ConfigError, match=r"^ESRL_CACHE: .* is a file"):
+        ensure(cache_on_a_file / "smollm2-135m-instruct", lambda tmp: pytest.fail("converted into a file"))
+    with pytest.raises(ConfigError, match=r"smollm2-135m-instruct needs a folder .*\(ESRL_CACHE: "):
+        check({"model": {"policy": {"name_or_path": "smollm2-135m-instruct"}}})
+    config = write_tiny_config(tmp_path / "c.yaml", "smollm2-135m-instruct")
+    out = run_esrl("fit", "--config", config, "--trainer.default_root_dir", tmp_path / "run")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    (error,) = [line for line in out.stderr.splitlines() if "error" in line.lower()]
+    assert error.startswith("esrl") and f"ESRL_CACHE: {cache_on_a_file} cannot be a folder" in error
+    assert not (tmp_path / "run").exists()

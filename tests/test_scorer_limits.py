@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import stat
 
 import pytest
@@ -19,6 +20,13 @@ class Constant(Scorer):
 
     def _score(self, prompts, responses):
         return [1.0] * len(prompts), [0.0] * len(prompts)
+
+
+def free_port() -> int:
+    """A port serve-scorer can bind (its port check binds it before the models load; port 1 needs root)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -113,7 +121,7 @@ def test_bad_serve_scorer_flags_are_one_line_before_listening(score_models, monk
     message = message.replace("REWARD", score_models[0])
     with pytest.raises(SystemExit) as exit_:
         main(["serve-scorer", *(flags if "--judge" in flags else ["--reward-model", score_models[0], *flags]),
-              "--port", "1"])
+              "--port", str(free_port())])
     assert exit_.value.code == 2
     err = [line for line in capsys.readouterr().err.splitlines()
            if line.strip() and "Loading weights" not in line]  # transformers' progress bar
@@ -137,6 +145,26 @@ def test_the_token_is_printed_once_the_models_have_loaded(score_models, monkeypa
 
     monkeypatch.setattr(score_model.ScoreModel, "__init__", load)
     monkeypatch.setattr(uvicorn, "run", lambda app, **k: events.append(("listen", capsys.readouterr().err)))
-    main(["--reward-model", score_models[0], "--device", "cpu", "--port", "1"])
+    main(["--reward-model", score_models[0], "--device", "cpu", "--port", str(free_port())])
     assert [e[0] for e in events] == ["loading", "listen"]
     assert "token" not in events[0][1] and events[1][1].count("esrl serve-scorer: token ") == 1
+
+
+def test_a_port_in_use_is_one_line_before_the_models_load(monkeypatch, capsys):
+    import uvicorn
+
+    from esrl.cli import main
+    from esrl.scoring import service
+
+    monkeypatch.setattr(service, "scorer_from_args", lambda args: pytest.fail("loaded the models first"))
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("it tried to listen"))
+    with socket.socket() as taken:  # another server on the port
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as exit_:
+            main(["serve-scorer", "--judge", "smollm2-135m-instruct", "--no-token", "--port", str(port)])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"esrl serve-scorer: error: --port {port}: cannot listen on 127.0.0.1:{port}: already in use "
+        "(another server? pick another --port)"]

@@ -188,6 +188,7 @@ def test_slurm_array_task_runs_its_run_then_writes_the_report(study):
     ({"grid": {"model.es.sigmaa": [0.1, 0.2]}}, "grid.model.es.sigmaa: 'model.es.sigmaa' is not a config field"),
     ({"overrides": {"data.task": "nosuchtask"}}, "data.task: unknown task 'nosuchtask'"),
     ({"seeds": [0, 0]}, "seeds: seeds must differ"),
+    ({"seeds": [True, 2]}, "seeds: a non-empty list of integers, got "),  # True is an int to Python
 ])
 def test_bad_study_file_is_one_line_before_any_run(tiny_model, tmp_path, change, message):
     from esrl.errors import ConfigError
@@ -209,3 +210,20 @@ def test_bad_study_file_through_the_cli(tiny_model, tmp_path, capsys):
         "esrl study: error: grid.trainer.max_stepz: 'trainer.max_stepz' is not a config field (trainer has no "
         "'max_stepz'; it has: see `esrl fit --help`)"]
     assert not (tmp_path / "out").exists()
+
+
+def test_study_out_that_is_a_file_is_one_line_before_any_run(tiny_model, tmp_path, capsys):
+    from esrl.cli import main
+
+    (tmp_path / "out").write_text("a file, not the study folder\n")
+    path = write_study(tmp_path, tiny_model)
+    with pytest.raises(SystemExit) as exit_:
+        main(["study", str(path)])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"esrl study: error: out: {tmp_path / 'out'} cannot be a folder: {tmp_path / 'out'} is a file"]
+    with pytest.raises(SystemExit):  # --out below a file: named as --out
+        main(["study", str(path), "--out", str(tmp_path / "out" / "below")])
+    below = tmp_path / "out" / "below"
+    assert capsys.readouterr().err.strip().startswith(f"esrl study: error: --out: {below} cannot be a folder")
+    assert (tmp_path / "out").is_file()

@@ -115,6 +115,19 @@ def test_missing_scorer_is_a_config_error(pku_file):
         build_task("pku_saferlhf", path=str(pku_file), num_train=2, num_eval=2)
 
 
+@pytest.mark.parametrize("option, value, message", [
+    ("retries", -1, "data.task_args.retries: must be >= 0, got -1"),
+    ("timeout", 0, "data.task_args.timeout: seconds, must be > 0, got 0"),
+    ("backoff", -1, "data.task_args.backoff: seconds, must be >= 0, got -1"),
+])
+def test_bad_scorer_service_option_names_its_field(pku_file, option, value, message):
+    """A ConfigError naming the task_args field, not HTTPScorer's ValueError naming none (no server)."""
+    with pytest.raises(ConfigError) as error:
+        build_task("pku_saferlhf", path=str(pku_file), num_train=2, num_eval=2, scorer="http://127.0.0.1:9",
+                   **{option: value})
+    assert str(error.value) == message
+
+
 def test_reward_and_quadrant_metrics(pku_file):
     table = {"helpful safe": (1.0, -1.0), "unhelpful safe": (-1.0, -2.0), "helpful harmful": (2.0, 3.0),
              "borderline": (0.0, 0.0)}

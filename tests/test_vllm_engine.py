@@ -58,6 +58,19 @@ def base_greedy(engine):
     return engine.generate(PROMPTS, **GREEDY)
 
 
+def test_a_prompt_past_max_model_len_is_one_data_error_as_on_the_hf_engine(engine, smol):
+    """vLLM would refuse a prompt past max_model_len in its own words, and cut one whose completion does not fit
+    short: the engines share one check (2048 tokens here), naming the prompt, before vLLM sees it."""
+    from esrl.errors import DataError
+    from esrl.rollout import HFEngine
+
+    _, tok, model = smol
+    long = [[{"role": "user", "content": "count " * 2000}]]
+    for eng in (engine, HFEngine(model, tok)):
+        with pytest.raises(DataError, match=r"exceed the model's context of (2048|8192) tokens.*'count count"):
+            eng.generate(long, max_new_tokens=100 if eng is engine else 7000, greedy=True)
+
+
 @requires_vllm
 def test_weights_read_back_equal_the_hf_checkpoint(engine, smol):
     """The plain weights the engine computes with (CPU: unpacked) are the checkpoint's, under HF names."""

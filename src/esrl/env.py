@@ -48,14 +48,16 @@ def devices() -> list[str]:
 
 
 def embedded_models() -> list[str]:
-    from esrl.models.cache import cache_dir, problem
+    from esrl.models.cache import cache_dir, cache_dir_problem, problem
     from esrl.models.loading import EMBEDDED_MODELS
 
     lines = []
+    broken = cache_dir_problem()
     for name in EMBEDDED_MODELS:
         folder = cache_dir() / name
         why = problem(folder)
-        state = ("cached" if why is None else "not converted yet (on first use)" if not folder.exists()
+        state = (f"missing, no folder to convert it into ({broken})" if broken else "cached" if why is None
+                 else "not converted yet (on first use)" if not folder.exists()
                  else f"unusable, rebuilt on next use ({why})")
         lines.append(f"{name}: {state}, {folder}")
     return lines
@@ -108,11 +110,18 @@ def main(argv: list[str] | None = None) -> None:
     needs = config_needs(args.config, args.algo) if args.config else []
     for key, value in report():
         print(f"- {key}: {value}")
+    from esrl.models.cache import cache_dir_problem
+
+    broken = cache_dir_problem()  # no embedded model can be converted: a broken machine, config or not
     if not args.config:
+        if broken:
+            raise ConfigError(broken)
         return
     print(f"\n{args.config} needs:")
     for need in needs:
         print(f"- [{need.status}] {need.field}: {need.what}" + ("" if need.status == "ok" else f" -> {need.fix}"))
     missing = [n.line() for n in needs if n.status == "missing"]
+    if broken and not any("ESRL_CACHE" in line for line in missing):
+        missing.append(broken)
     if missing:
         raise ConfigError(f"{args.config}: {len(missing)} missing: " + "; ".join(missing))

@@ -81,11 +81,13 @@ def checked_device(value: str, flag: str):
 
 
 def _embedded(field: str, name: str) -> list[Need]:
-    from esrl.models.cache import cache_dir, problem
+    from esrl.models.cache import cache_dir, cache_dir_problem, problem
     from esrl.models.loading import EMBEDDED_MODELS
 
     if name not in EMBEDDED_MODELS:
         return []
+    if (why := cache_dir_problem()) is not None:  # it is converted into ESRL_CACHE on first use
+        return [Need(f"{field}: {name}", "a folder for the converted model", MISSING, why)]
     package = EMBEDDED_MODELS[name][0]
     found = OK if problem(cache_dir() / name) is None else _has(package)
     return [Need(f"{field}: {name}", f"the embedded model's package {package.replace('_', '-')}", found,

@@ -20,11 +20,24 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from esrl.checkpoints import check_root_dir
+from esrl.errors import ConfigError
+
 RECORD = "esrl-cache.json"
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("ESRL_CACHE", Path.home() / ".cache" / "esrl"))
+
+
+def cache_dir_problem() -> str | None:
+    """Why ESRL_CACHE cannot hold converted models (it is a file, or below one), or None: `esrl fit` and
+    `esrl env` name it in one line, not makedirs' traceback at the first conversion."""
+    try:
+        check_root_dir(cache_dir(), "ESRL_CACHE")
+    except ConfigError as e:
+        return f"{e}; point ESRL_CACHE at a folder"
+    return None
 
 
 def _safetensors_whole(path: Path) -> bool:
@@ -70,6 +83,7 @@ def ensure(out: Path, build: Callable[[Path], None]) -> Path:
     """`out` when it is a complete cache; else build it with `build(tmp_folder)` and move it into place."""
     if problem(out) is None:
         return out
+    check_root_dir(out.parent, "ESRL_CACHE")  # the cache folder (out's parent) is a file, or below one
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out.parent / f"{out.name}.lock")):
         why = problem(out)  # another process may have built it while this one waited

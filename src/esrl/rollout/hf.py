@@ -13,7 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from esrl.rollout.base import Completion, EngineCapabilities, RolloutEngine, RowWeights
 from esrl.rollout.static_decode import DecodeKey, StaticDecoder, module_context, supports_static_decode
-from esrl.rollout.text import cut_at_stop, render_prompts
+from esrl.rollout.text import check_context, cut_at_stop, render_prompts
 from esrl.tasks.base import Prompt
 
 
@@ -63,7 +63,7 @@ class HFEngine(RolloutEngine):
                  temperature: float = 1.0, top_p: float = 1.0, stop: Sequence[str] = (),
                  num_return_sequences: int = 1, seed: int | None = None,
                  min_new_tokens: int | None = None) -> list[Completion]:
-        texts = render_prompts(self.tokenizer, prompts)
+        texts = self._rendered(prompts, max_new_tokens)
         per_chunk = max(1, self.max_batch_size // num_return_sequences)
         out: list[Completion] = []
         if seed is not None:
@@ -79,13 +79,20 @@ class HFEngine(RolloutEngine):
                             min_new_tokens: int | None = None) -> list[list[Completion]]:
         """RolloutEngine.generate_population: `row_weights` installs per-row forward hooks on the policy
         (e.g. esrl.es.modes.lowrank.PopulationPerturbation) while the one generate runs."""
-        texts = render_prompts(self.tokenizer, prompts)
+        texts = self._rendered(prompts, max_new_tokens)
         n_prompts = len(texts)
         row_member = torch.arange(num_members).repeat_interleave(n_prompts)
         with row_weights(row_member):
             flat = self._generate_chunk(texts * num_members, max_new_tokens, True, 1.0, 1.0, list(stop), 1,
                                         min_new_tokens, population=True)
         return [flat[i * n_prompts:(i + 1) * n_prompts] for i in range(num_members)]
+
+    def _rendered(self, prompts: Sequence[Prompt], max_new_tokens: int) -> list[str]:
+        """The prompts as text, each checked to leave room for max_new_tokens in the model's context."""
+        texts = render_prompts(self.tokenizer, prompts)
+        lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        check_context(lengths, max_new_tokens, getattr(self.model.config, "max_position_embeddings", None), prompts)
+        return texts
 
     def _decoder(self, rows: int, prompt_len: int, new_tokens: int, greedy: bool, top_p: float,
                  population: bool) -> StaticDecoder:

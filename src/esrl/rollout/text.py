@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from esrl.errors import DataError
 from esrl.tasks.base import Prompt
 
 
@@ -17,3 +18,20 @@ def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
     """`text` up to and including the earliest stop string, and whether one was found."""
     cut = min((i + len(s) for s in stop if (i := text.find(s)) >= 0), default=-1)
     return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+def check_context(prompt_tokens: Sequence[int], max_new_tokens: int, context: int | None,
+                  prompts: Sequence[Prompt]) -> None:
+    """Every prompt leaves room for max_new_tokens within the model's context (HF: its max_position_embeddings;
+    vLLM: max_model_len), else one DataError naming the longest: past it HF reads positions the model never
+    learned, vLLM stops the completion short, and a runaway prompt (a data line of megabytes) would take the
+    attention hours. Not truncated silently: the prompt is the task's."""
+    if context is None or not prompt_tokens:
+        return
+    longest = max(range(len(prompt_tokens)), key=lambda i: prompt_tokens[i])
+    if prompt_tokens[longest] + max_new_tokens > context:
+        prompt = prompts[longest]
+        text = prompt[-1].get("content", "") if isinstance(prompt, list) and prompt else str(prompt)
+        raise DataError(f"a prompt of {prompt_tokens[longest]} tokens and model.rollout.max_new_tokens "
+                        f"{max_new_tokens} exceed the model's context of {context} tokens; shorten the task's "
+                        f"prompts or max_new_tokens: {text[:60]!r}...")

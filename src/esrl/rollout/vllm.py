@@ -36,7 +36,7 @@ import torch
 
 from esrl.errors import ConfigError
 from esrl.rollout.base import AdapterSpec, Completion, EngineCapabilities, RolloutConfig, RolloutEngine, RowWeights
-from esrl.rollout.text import cut_at_stop, render_prompts
+from esrl.rollout.text import check_context, cut_at_stop, render_prompts
 from esrl.rollout.vllm_worker import WeightsWorkerExtension
 from esrl.tasks.base import Prompt
 
@@ -209,6 +209,7 @@ class VLLMEngine(RolloutEngine):
         except (RuntimeError, ValueError) as e:  # a model vLLM cannot run here (architecture, head size, memory)
             raise ConfigError(f"model.rollout.engine vllm: vLLM could not start an engine for {self.model_path}: "
                               f"{type(e).__name__}: {joined(e)}") from None
+        self.max_model_len = kwargs["max_model_len"]  # a prompt and its completion fit it (check_context)
         table = hf_param_table(self.model_path, hf_model)
         self.hf_names = [n for n, _ in table]
         self.setup_info = self.llm.collective_rpc("esrl_setup", args=(table, self.model_path))
@@ -257,6 +258,7 @@ class VLLMEngine(RolloutEngine):
 
         texts = render_prompts(self.tokenizer, prompts)
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]  # as the HF engine tokenizes
+        check_context([len(p) for p in ids], max_new_tokens, self.max_model_len, prompts)
         n = num_return_sequences
         params = []
         for i in range(len(ids)):
@@ -288,6 +290,7 @@ class VLLMEngine(RolloutEngine):
 
         texts = render_prompts(self.tokenizer, prompts)
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        check_context([len(p) for p in ids], max_new_tokens, self.max_model_len, prompts)
         n_prompts = len(ids)
         with row_weights(torch.arange(num_members).repeat_interleave(n_prompts)) as lora_ids:
             if lora_ids is None or len(lora_ids) != num_members:

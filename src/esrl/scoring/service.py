@@ -12,9 +12,11 @@ lengths of all prompts and responses) or a body too large (checked while the bod
 
 
 import argparse
+import errno
 import json
 import math
 import secrets
+import socket
 import threading
 from typing import Any
 
@@ -116,6 +118,25 @@ def create_app(scorer: Scorer, token: str | None = None, max_items: int = DEFAUL
     return app
 
 
+def check_port(host: str, port: int) -> None:
+    """Bind host:port once (SO_REUSEADDR, as uvicorn does) and let go, before the models load: a port in use
+    is then one line now, not uvicorn's error (and exit 3) after minutes of loading."""
+    try:
+        for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                                  flags=socket.AI_PASSIVE):
+            with socket.socket(family, kind, proto) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(address)
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host}: cannot resolve it ({e.strerror})") from None
+    except OSError as e:
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise ConfigError(f"--host {host}: not an address of this machine") from None
+        in_use = e.errno == errno.EADDRINUSE
+        why = "already in use (another server? pick another --port)" if in_use else e.strerror
+        raise ConfigError(f"--port {port}: cannot listen on {host}:{port}: {why}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="esrl serve-scorer",
@@ -170,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     check_limits(args.max_items, args.max_chars)
     checked_device(args.device, "--device")  # a GPU this machine lacks: now, not at every request
     check_token_options(args.token, args.token_file, args.no_token, args.host)  # esrl.scoring.token
+    check_port(args.host, args.port)
     scorer = scorer_from_args(args)
     # The token (a new one is printed) once the models have loaded: an error above is then the only line.
     token = server_token(args.token, args.token_file, args.no_token, args.host)

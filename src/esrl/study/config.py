@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from esrl.checkpoints import check_root_dir
 from esrl.errors import ConfigError, require
 
 ALGOS = ("es", "grpo")
@@ -104,8 +105,8 @@ class StudyConfig:
                     f"unknown algorithm {a.algo!r}; choose {' or '.join(ALGOS)}")
             require(bool(a.label) and all(c.isalnum() or c in "._-" for c in a.label), f"algorithms.{a.label}",
                     "a label uses letters, digits and ._- only")
-        require(bool(self.seeds) and all(isinstance(s, int) for s in self.seeds), "seeds",
-                f"a non-empty list of integers, got {self.seeds!r}")
+        integers = all(isinstance(s, int) and not isinstance(s, bool) for s in self.seeds)  # True is an int
+        require(bool(self.seeds) and integers, "seeds", f"a non-empty list of integers, got {self.seeds!r}")
         require(len(set(self.seeds)) == len(self.seeds), "seeds", f"seeds must differ, got {self.seeds}")
         require(self.checkpoint_every_n_steps >= 0, "checkpoint_every_n_steps", "must be >= 0")
         for key, values in self.grid.items():
@@ -249,6 +250,7 @@ def load_study(path: str | Path, out: str | None = None) -> StudyConfig:
         raw["out"] = out
     raw["base"] = {}
     study = _build(StudyConfig, raw, "")
+    check_root_dir(study.out, "--out" if out is not None else "out")  # a file in the way: now, not at a mkdir
     base_path = Path(study.base_config)
     if not base_path.is_file() and (path.parent / base_path).is_file():
         base_path = path.parent / base_path

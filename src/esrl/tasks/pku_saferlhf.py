@@ -13,7 +13,7 @@ import random
 from pathlib import Path
 from typing import Any, Sequence
 
-from esrl.errors import ConfigError, DataError
+from esrl.errors import ConfigError, DataError, require
 from esrl.scoring import Lagrangian, Scorer, build_scorer
 from esrl.tasks.base import Prompt, Task, completion_text
 from esrl.tasks.io import check_row, read_jsonl
@@ -259,6 +259,10 @@ def build(path: str = HUB_ID, config: str | None = "alpaca-7b", split: str = "tr
             ends with the EOS; default False: the EOS is appended, then the whole is cut (a long text loses it),
             as the ES fork's scorer service feeds Safe-RLHF's models (esrl.scoring.score_model.ScoreModel).
     """
+    # Checked here, not by HTTPScorer after the rows load: a ConfigError naming the task_args field.
+    require(retries >= 0, "data.task_args.retries", f"must be >= 0, got {retries}")
+    require(timeout > 0, "data.task_args.timeout", f"seconds, must be > 0, got {timeout}")
+    require(backoff >= 0, "data.task_args.backoff", f"seconds, must be >= 0, got {backoff}")
     if train_path is not None:
         train_rows = _take(read_jsonl(train_path, SCHEMA, _check_row), num_train, "num_train", train_path)
         eval_rows = (_take(read_jsonl(eval_path, SCHEMA, _check_row), num_eval, "num_eval", eval_path)
