@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVER = Path(__file__).with_name("cli_server.py")
-ESRL = [sys.executable, "-m", "esrl.cli"]
+ESRL = [sys.executable, "-m", "esrl"]  # what the `esrl` command runs (esrl.entry)
 READ_WHEN_USED = ("ESRL_", "PYTEST_CURRENT_TEST", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "PYTHONPATH")
 SET_BY_LIBRARIES = ("PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_", "_TORCHINDUCTOR_", "TRITON_", "TILELANG_",
                     "VLLM_", "AITER_", "LD_PRELOAD", "LOCAL_WORLD_SIZE", "NUMEXPR_MAX_THREADS")

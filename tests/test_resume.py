@@ -149,6 +149,27 @@ def test_sigint_stops_after_the_step_with_a_checkpoint_and_exit_130(config, tmp_
     assert "Traceback" not in out and not (checkpoints.parent / "final").exists()
 
 
+@pytest.mark.parametrize("when", ["importing", "Seed set", "Loading weights"])
+def test_ctrl_c_before_training_is_one_line_and_exit_130(config, tmp_path, when):
+    """Ctrl+C while esrl imports torch (its handling not there yet), after the parse, or inside Lightning's fit
+    loading the model (Lightning's own handler: "graceful shutdown", exit 1): one esrl line and 130, as in
+    training, never a KeyboardInterrupt traceback."""
+    proc = subprocess.Popen([*ESRL, "fit", "--config", str(config), "--trainer.default_root_dir", str(tmp_path)],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if when == "importing":
+        time.sleep(0.3)
+    else:
+        for line in proc.stderr:
+            if when in line:
+                break
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == "esrl: interrupted (Ctrl+C)"
+    assert not list(tmp_path.rglob("final"))
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(config, tmp_path_factory) -> dict[str, torch.Tensor]:
     """The config's weights after STEPS steps in one process, never stopped."""
