@@ -163,6 +163,8 @@ def main(args: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
     warnings.filterwarnings("ignore", message=r".*smaller than the logging interval.*")
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+    # ES steps its optimizer by hand; the checkpoint after the step is the one it resumes from (esrl.resume)
+    warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization")
     # argv is sys.argv's own (attach_negative_numbers may have joined a flag and its value): not a mistake
     warnings.filterwarnings("ignore", message=r".*LightningCLI's args parameter is intended to run from within")
     try:
