@@ -66,3 +66,14 @@ def test_what_torch_or_lightning_refuse_in_the_flags_is_one_config_error_naming_
     with pytest.raises(ConfigError) as err:
         optimizers(cli(tiny_model, tmp_path, "grpo", *flags))
     assert str(err.value).startswith(message)
+
+
+def test_a_schedule_missing_an_argument_names_it_and_no_other_base_class(tmp_path):
+    """jsonargparse lists each base class a schedule failed to be: LRScheduler alone (ReduceLROnPlateau is one)."""
+    from conftest import run_esrl
+
+    out = run_esrl("fit", "--config", ROOT / "configs/demo/es_conciseness.yaml", "--algo", "grpo",
+                   "--lr_scheduler", "torch.optim.lr_scheduler.StepLR", "--trainer.default_root_dir", tmp_path)
+    assert out.returncode == 2
+    line = next(line for line in out.stderr.splitlines() if line.startswith("esrl: error:"))
+    assert "the following arguments are required: step_size" in line and "ReduceLROnPlateau" not in line, line

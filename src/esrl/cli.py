@@ -14,7 +14,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+from torch.optim.lr_scheduler import LRScheduler
 
 import esrl.es.strategy  # noqa: F401  registers the `es` strategy
 from esrl.callbacks import interruption
@@ -79,7 +79,9 @@ class EsrlCLI(LightningCLI):
         # the policy in configure_model (so ZeRO-3 can shard it), so the module builds them in
         # configure_optimizers, over the trainable parameters that exist by then.
         parser.add_optimizer_args((Optimizer,), link_to="model.optimizer")
-        parser.add_lr_scheduler_args((LRScheduler, ReduceLROnPlateau), link_to="model.lr_scheduler")
+        # LRScheduler alone (ReduceLROnPlateau is one since torch 2.2, refused by GRPOModule): a missing argument's
+        # message then names no second base class
+        parser.add_lr_scheduler_args((LRScheduler,), link_to="model.lr_scheduler")
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
