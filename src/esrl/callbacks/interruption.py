@@ -79,6 +79,10 @@ class Interruption(L.Callback):
         if _main_thread():
             self._lightning_sigterm = signal.signal(signal.SIGTERM, self._on_signal)
             signal.signal(signal.SIGINT, self._on_signal)
+        from esrl import entry
+
+        if entry.PRESSED:  # a Ctrl+C before training whose KeyboardInterrupt a finalizer swallowed: stop now
+            self._on_signal(signal.SIGINT, None)
 
     def _on_signal(self, signum, frame) -> None:
         """Only noted here: handed to Lightning at the end of the step (on_train_batch_end)."""
