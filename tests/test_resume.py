@@ -148,6 +148,7 @@ def test_sigint_stops_after_the_step_with_a_checkpoint_and_exit_130(config, tmp_
     assert (checkpoints / "interrupted.ckpt").is_file() and "esrl: SIGINT at step" in out
     assert "Traceback" not in out and not (checkpoints.parent / "final").exists()
     assert "manual optimization" not in out  # Lightning's 12-line advice on pre-step states: not for ES
+    assert "litlogger" not in out  # nor its tip to install an experiment tracker
 
 
 @pytest.mark.parametrize("when", ["importing", "Seed set", "Loading weights"])

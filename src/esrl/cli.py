@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 import sys
 from pathlib import Path
@@ -152,6 +153,11 @@ def attach_negative_numbers(argv: list[str]) -> list[str]:
     return out
 
 
+def no_tips(record: logging.LogRecord) -> bool:
+    """Lightning's "💡 Tip: ... try installing litlogger" lines: an advertisement in every run's log."""
+    return "💡 Tip:" not in record.getMessage()
+
+
 def main(args: list[str] | None = None) -> None:
     argv = attach_negative_numbers(sys.argv[1:] if args is None else [str(a) for a in args])
     if argv and argv[0] in TOOLS:
@@ -167,6 +173,7 @@ def main(args: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
     # ES steps its optimizer by hand; the checkpoint after the step is the one it resumes from (esrl.resume)
     warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization")
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(no_tips)
     # argv is sys.argv's own (attach_negative_numbers may have joined a flag and its value): not a mistake
     warnings.filterwarnings("ignore", message=r".*LightningCLI's args parameter is intended to run from within")
     try:
