@@ -1,7 +1,8 @@
 """`esrl`'s entry point: a Ctrl+C at any moment ends in one line and exit 130, as one during training does.
 
 esrl.cli imports torch and Lightning (seconds) before its own handling exists, and Lightning answers a
-KeyboardInterrupt it catches (model loading, a second Ctrl+C mid-step) with "graceful shutdown" and exit 1. A
+KeyboardInterrupt it catches (model loading, a second Ctrl+C mid-step) with "graceful shutdown" and exit 1, and a
+library may catch it mid-import and fail later on the half-imported module (an ImportError). A
 KeyboardInterrupt raised while Python runs a finalizer (a weakref callback) is lost, printed as "Exception ignored":
 the press is kept in PRESSED, and esrl.callbacks.interruption stops the run after its first step instead. Kept apart
 from esrl.cli so that this module's import is instant.
@@ -41,6 +42,10 @@ def main() -> None:
         from esrl.callbacks import interruption
 
         if e.code == 1 and (PRESSED or interruption.interrupted_by == "SIGINT"):  # Lightning's exit(1)
+            stopped()
+        raise
+    except Exception:
+        if PRESSED:  # what the Ctrl+C broke on its way (an import a library retried, half done): not a traceback
             stopped()
         raise
 
