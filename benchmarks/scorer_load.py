@@ -65,7 +65,7 @@ def main() -> None:
     cost = tiny_score_model(tmp / "cost", seed=2, score_type="cost", tokenizer=tok)
     token_file = tmp / "token"
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "esrl.cli", "serve-scorer", "--reward-model", reward,
+    server = subprocess.Popen([sys.executable, "-m", "esrl", "serve-scorer", "--reward-model", reward,
                                "--cost-model", cost, "--port", str(port), "--token-file", str(token_file),
                                "--device", "cpu", "--max-chars", str(args.max_chars), "--log-level", "warning"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

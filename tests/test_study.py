@@ -227,3 +227,21 @@ def test_study_out_that_is_a_file_is_one_line_before_any_run(tiny_model, tmp_pat
     below = tmp_path / "out" / "below"
     assert capsys.readouterr().err.strip().startswith(f"esrl study: error: --out: {below} cannot be a folder")
     assert (tmp_path / "out").is_file()
+
+
+@pytest.mark.parametrize("grid, message", [
+    ({"model.es.sigma": [0.05, -1]}, "es_sigma=-1_seed=0: model.es.sigma: must be > 0, got -1"),
+    ({"model.rollout.max_new_tokens": [4, "many"]},
+     'es_max_new_tokens=many_seed=0: Parser key "model.rollout.max_new_tokens": Expected a <class \'int\'>'),
+])
+def test_a_bad_grid_value_is_one_line_naming_its_run_before_any_run(tiny_model, tmp_path, capsys, grid, message):
+    """Grid values are checked as each run's fit checks them (esrl.fit_check) before the first run starts: not
+    a failed fit.log after the runs before it."""
+    from esrl.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["study", str(write_study(tmp_path, tiny_model, grid=grid))])
+    assert exit_.value.code == 2
+    (error,) = capsys.readouterr().err.strip().splitlines()
+    assert error.startswith("esrl study: error: " + message), error
+    assert not (tmp_path / "out").exists()

@@ -8,8 +8,8 @@ from conftest import run_esrl, write_tiny_config
 
 
 @pytest.fixture
-def config(tmp_path):
-    return write_tiny_config(tmp_path / "tiny.yaml", tmp_path / "model", trainer={"callbacks": [
+def config(tmp_path, tiny_model):
+    return write_tiny_config(tmp_path / "tiny.yaml", tiny_model, trainer={"callbacks": [
         {"class_path": "esrl.callbacks.Evaluation", "init_args": {"num_samples": 2}}]})
 
 
@@ -68,3 +68,17 @@ def test_a_valid_config_and_grid_pass_the_check(config, tmp_path):
                    "--grid", "seed_everything=0,1", "--grid", "trainer.max_steps=1", "--dry-run")
     assert out.returncode == 0, out.stderr[-2000:]
     assert len(out.stdout.strip().splitlines()) == 4 and "--algo grpo" in out.stdout
+
+
+@pytest.mark.parametrize(("grid", "message"), [
+    ("model.es.mode=lowrank,lowrnk", "mode=lowrnk: model.es.mode: choose full, lowrank, lora, got 'lowrnk'"),
+    ("model.es.sigma=0.1,abc", 'sigma=abc: Parser key "model.es.sigma": Expected a <class \'float\'>'),
+    ("data.task=conciseness,nope", "task=nope: data.task: unknown task 'nope'"),
+])
+def test_a_bad_grid_value_is_one_line_naming_its_run_before_any_run(config, tmp_path, grid, message):
+    """Values are checked as each run's fit checks them (esrl.fit_check), not found in run 2's fit.log after run 1;
+    with --dry-run too, which previews the runs."""
+    for flags in ([], ["--dry-run"]):
+        out = run_esrl("sweep", "--config", config, "--out", tmp_path / "sweep", "--grid", grid, *flags)
+        assert refused(out, tmp_path).startswith("esrl sweep: error: " + message), out.stderr
+        assert out.stdout == ""

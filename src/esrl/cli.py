@@ -154,8 +154,10 @@ def attach_negative_numbers(argv: list[str]) -> list[str]:
 
 
 def no_tips(record: logging.LogRecord) -> bool:
-    """Lightning's "💡 Tip: ... try installing litlogger" lines: an advertisement in every run's log."""
-    return "💡 Tip:" not in record.getMessage()
+    """Lightning's "💡 Tip: ... try installing litlogger" lines (an advertisement in every run's log), and its
+    "Detected KeyboardInterrupt, attempting graceful shutdown" (esrl.entry says "esrl: interrupted (Ctrl+C)")."""
+    message = record.getMessage()
+    return "💡 Tip:" not in message and "Detected KeyboardInterrupt" not in message
 
 
 def main(args: list[str] | None = None) -> None:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from esrl.checkpoints import check_root_dir
+from esrl.fit_check import check_fit_args
 from esrl.errors import EsrlError
 
 # A final evaluation tripping any of these is flagged hacked/degenerate (hacking/* keys of eval.jsonl).
@@ -103,10 +104,14 @@ def run_name(combo: dict[str, str]) -> str:
     return "_".join(f"{names[k]}={re.sub(r'[^A-Za-z0-9.+-]', '-', v)}" for k, v in combo.items())
 
 
-def fit_command(config: str, combo: dict[str, str], root: Path, extra: list[str]) -> list[str]:
+def fit_args(config: str, combo: dict[str, str], root: Path, extra: list[str]) -> list[str]:
+    """One run's `esrl fit` arguments: the config, the grid values, the extra flags, its own root."""
     pairs = [x for k, v in combo.items() for x in (f"--{k}", v)]
-    return [sys.executable, "-m", "esrl.cli", "fit", "--config", str(config), *pairs, *extra,
-            "--trainer.default_root_dir", str(root)]
+    return ["--config", str(config), *pairs, *extra, "--trainer.default_root_dir", str(root)]
+
+
+def fit_command(config: str, combo: dict[str, str], root: Path, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "esrl", "fit", *fit_args(config, combo, root, extra)]
 
 
 def run_one(config: str, combo: dict[str, str], out: Path, extra: list[str]) -> int:
@@ -240,6 +245,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                          f"none of this grid's {len(combos)} run folders is there") + ", nothing to summarize")
     if not args.summarize:
         check_config(args.config, grid)
+        # every run's values as its fit checks them (esrl.fit_check): a bad one is one line before any run starts
+        check_fit_args([(run_name(c), fit_args(args.config, c, out / run_name(c), extra)) for c in todo])
     if args.dry_run:
         for combo in todo:
             print(" ".join(fit_command(args.config, combo, out / run_name(combo), extra)))

@@ -19,7 +19,10 @@ import threading
 import time
 from typing import Any
 
+import yaml
+
 from esrl.errors import EsrlError
+from esrl.fit_check import check_fit_args
 from esrl.study.config import load_study
 from esrl.study.runner import plan, resolved_config, run_all, status
 
@@ -69,6 +72,11 @@ def _main(argv: list[str] | None) -> Any:
     if args.index is not None and not 0 <= args.index < len(runs):
         raise StudyError(f"--index {args.index}: the study has {len(runs)} runs (0..{len(runs) - 1})")
     todo = [runs[args.index]] if args.index is not None else runs
+    if not (args.report or args.summarize):
+        # Every run still to do as its fit checks it (esrl.fit_check), before the first starts: a bad grid value
+        # is one line naming its run, not a fit.log after the runs before it.
+        check_fit_args([(run.name, ["--config", yaml.safe_dump(resolved_config(study, run), sort_keys=False)])
+                        for run in todo if status(run) != "done"])
     if args.dry_run:
         for run in todo:
             print(f"{run.name}: {status(run)}; config {resolved_config(study, run)}")
