@@ -185,6 +185,30 @@ def test_a_checkpoint_lacking_weights_is_refused(tiny_model, score_models, tmp_p
         ScoreModel(str(clf), device="cpu")
 
 
+def test_a_checkpoints_weights_the_class_does_not_use_are_named_in_one_line(tiny_model, score_models, tmp_path,
+                                                                             capsys):
+    """Extra weights (a value head saved with the policy) are dropped by transformers; esrl says which, once,
+    instead of transformers' load report. A Safe-RLHF score model's head, read apart, is no such weight."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from esrl.models import load_causal_lm
+
+    extra = tmp_path / "with_value_head"
+    shutil.copytree(tiny_model, extra)
+    weights = next(extra.glob("*.safetensors"))
+    tensors = load_file(weights)
+    save_file({**tensors, "v_head.summary.weight": torch.zeros(1, 8)}, weights, metadata={"format": "pt"})
+    load_causal_lm(str(extra))
+    assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("esrl")] == [
+        f"esrl: model {str(extra)!r}: its checkpoint has weights LlamaForCausalLM does not use, not loaded: "
+        "v_head.summary.weight"]
+    load_causal_lm(tiny_model)
+    ScoreModel(score_models[0], device="cpu")
+    assert "esrl:" not in capsys.readouterr().err
+
+
 def test_device_names_are_checked_when_the_scorer_is_built(monkeypatch):
     from esrl.needs import checked_device
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -143,19 +144,28 @@ class _quiet_transformers:
         logging.set_verbosity(self._level)
 
 
-def load_complete(loader, name_or_path: str, expected: str, what: str = "model", **kwargs):
+def load_complete(loader, name_or_path: str, expected: str, what: str = "model", report_unexpected: bool = True,
+                  **kwargs):
     """`loader.from_pretrained`, refusing a checkpoint that lacks weights of the class: transformers would
     fill them at random and the model would answer made-up numbers (a score model as a judge lacks lm_head).
-    Tied weights (lm_head = embed_tokens, as SmolLM2) are not missing. Its load report is silenced: missing
-    keys are this error, unexpected ones (a score model's head, read apart) are ignored on purpose."""
+    Tied weights (lm_head = embed_tokens, as SmolLM2) are not missing. Transformers' load report is replaced by
+    this error and, unless report_unexpected is False (a score model's head, read apart), one line naming the
+    checkpoint's weights the class does not use (a value head, another architecture's layers): they are dropped."""
     with _quiet_transformers():
         model, info = _from_pretrained(loader, name_or_path, output_loading_info=True, **kwargs)
     missing = sorted(info.get("missing_keys") or [])
     if missing:
-        listed = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
-        raise ModelNotFoundError(f"{what} {name_or_path!r}: its checkpoint lacks {listed} "
+        raise ModelNotFoundError(f"{what} {name_or_path!r}: its checkpoint lacks {_listed(missing)} "
                                  f"({type(model).__name__} would be random there); expected {expected}")
+    unexpected = sorted(info.get("unexpected_keys") or [])
+    if unexpected and report_unexpected:
+        print(f"esrl: {what} {name_or_path!r}: its checkpoint has weights {type(model).__name__} does not use, "
+              f"not loaded: {_listed(unexpected)}", file=sys.stderr)
     return model
+
+
+def _listed(keys: list[str]) -> str:
+    return ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
 
 
 def load_tokenizer(name_or_path: str):

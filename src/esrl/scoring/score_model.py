@@ -166,7 +166,8 @@ class ScoreModel:
         self.head = head.to(dtype)
         # AutoModel maps "llama" to LlamaModel and strips the `model.` prefix of the checkpoint's keys; the
         # score head, read above, is an unexpected key to it.
-        self.backbone = load_complete(AutoModel, self.path, SCORE_MODEL, "score model", dtype=dtype)
+        self.backbone = load_complete(AutoModel, self.path, SCORE_MODEL, "score model", report_unexpected=False,
+                                      dtype=dtype)
         if getattr(config, "do_normalize", False):
             stats = _read_prefixed(resolved, "normalizer.")
             mean = stats.get("normalizer.mean", torch.tensor(getattr(config, "mean", None) or [0.0]))
