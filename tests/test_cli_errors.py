@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from conftest import ROOT, run_esrl
 
@@ -150,6 +152,20 @@ def test_parser_error_is_one_line_and_a_help_hint(tmp_path):
         "esrl: error: Parser key \"trainer.max_steps\": Expected a <class 'int'>. Got value: abc",
         "(`esrl fit --help` lists the options)"], out.stderr[-2000:]
     assert "usage:" not in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_bad_value_in_a_config_file_is_named_without_its_whole_section(tmp_path):
+    """jsonargparse adds the section the value came in ("Given value: {...}", a dozen fields): the value is named."""
+    import yaml
+
+    config = yaml.safe_load(Path(DEMO).read_text())
+    config.setdefault("model", {}).setdefault("rollout", {})["max_new_tokens"] = "many"
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(config))
+    out = run_esrl("fit", "--config", tmp_path / "bad.yaml", "--trainer.default_root_dir", tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-2:] == [
+        "esrl: error: Parser key \"model.rollout.max_new_tokens\": Expected a <class 'int'>. Got value: many",
+        "(`esrl fit --help` lists the options)"], out.stderr[-2000:]
 
 
 def _rewritten(src, dst, member: str, change) -> None:

@@ -19,6 +19,8 @@ _NESTED_KEY = re.compile(r'Parser key "([^"]+)": Problem with given class_path \
 def one_line(message: str) -> str:
     lines = [line.strip() for line in str(message).splitlines()]
     kept = [line.removeprefix("- ") for line in lines if line and not _NOISE.match(line)]
+    if any("Got value:" in line for line in kept):  # the bad value is named: not its whole section again
+        kept = [line for line in kept if not line.startswith("Given value:")]
     text = " ".join(kept) or str(message).strip()
     while _NESTED_KEY.search(text):  # a bad field of a config class: name it whole (model.grpo.loss_type: ...)
         text = _NESTED_KEY.sub(r'Parser key "\1.\2":', text)
