@@ -40,8 +40,9 @@ def error_lines(out) -> list[str]:
      "model.grpo.lora.layers: '5-9' reaches past the model's 2 layers (0-1)"),  # not PEFT's "target modules"
     (["--model.es.mode", "lora", "--model.es.layers", "1-3"], "model.es.layers: '1-3' reaches past the model's 2"),
 ])
-def test_bad_config_exits_with_one_line(args, culprit, tiny_model):
-    out = run_esrl("fit", "--config", DEMO, "--model.policy.name_or_path", tiny_model, *args)
+def test_bad_config_exits_with_one_line(args, culprit, tiny_model, tmp_path):
+    out = run_esrl("fit", "--config", DEMO, "--trainer.default_root_dir", tmp_path,
+                   "--model.policy.name_or_path", tiny_model, *args)
     assert out.returncode != 0
     lines = error_lines(out)
     assert len(lines) == 1 and culprit in lines[0], out.stderr[-2000:]
@@ -51,7 +52,8 @@ def test_bad_config_exits_with_one_line(args, culprit, tiny_model):
 def test_malformed_data_line_names_file_and_line(tiny_model, tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text('{"question": "ok?", "answer": "yes"}\n{"question": "broken", \n')
-    out = run_esrl("fit", "--config", DEMO, "--model.policy.name_or_path", tiny_model,
+    out = run_esrl("fit", "--config", DEMO, "--trainer.default_root_dir", tmp_path,
+                   "--model.policy.name_or_path", tiny_model,
                    "--data.task_args", f'{{"train_path": "{data}"}}')
     assert out.returncode != 0
     lines = error_lines(out)
@@ -233,11 +235,12 @@ def test_truncated_weights_and_offline_hub_ids_are_one_line_naming_them(tiny_mod
     assert time.monotonic() - start < 30
 
 
-def test_an_error_every_process_raises_is_one_line_each_naming_its_rank(tiny_model):
+def test_an_error_every_process_raises_is_one_line_each_naming_its_rank(tiny_model, tmp_path):
     """Two processes: both find the bad filter at model setup; rank 0's line reads as one process's would, rank 1's
     (when it prints before Lightning stops it on rank 0's error) says whose it is; the run exits non-zero without a
     traceback."""
-    out = run_esrl("fit", "--config", DEMO, "--model.policy.name_or_path", tiny_model, "--trainer.devices", "2",
+    out = run_esrl("fit", "--config", DEMO, "--trainer.default_root_dir", tmp_path,
+                   "--model.policy.name_or_path", tiny_model, "--trainer.devices", "2",
                    "--model.es.include", "[zzz_nomatch]")
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
     lines = [line for line in out.stderr.splitlines() if line.startswith("esrl: error")]

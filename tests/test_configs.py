@@ -50,6 +50,13 @@ def test_every_config_has_both_sections_with_explicit_learning_rates(config):
         assert float(section[LR_FIELD[algo]]) > 0
 
 
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c.parent == ROOT / "configs"], ids=lambda v: v.name)
+def test_gpu_configs_grpo_rates_are_constant_as_the_papers(config):
+    """The README's promise: GPU configs take the ES paper's GRPO baselines' (and DeepSeekMath's) rates, constant;
+    GRPOConfig's default schedule (TRL's linear decay) would halve the mean rate of a paper's run."""
+    assert sections(config)["grpo"].get("lr_scheduler") == "constant", config.name
+
+
 @pytest.mark.parametrize("config,algo", [(c, a) for c in CONFIGS for a in ALGOS],
                          ids=lambda v: str(v.relative_to(ROOT)) if isinstance(v, Path) else v)
 def test_config_builds(config, algo, tiny_model, tmp_path):

@@ -180,3 +180,31 @@ def test_grpo_adapts_lambda_from_its_rollouts_costs(tiny_model, service, tmp_pat
     ckpt = torch.load(run_dir / "checkpoints" / "step=2.ckpt", weights_only=True)
     assert ckpt["esrl_lagrangian"]["steps"] == 2
     assert ckpt["esrl_lagrangian"]["lambda"] == pytest.approx(lam, rel=1e-6)
+
+
+def test_env_asks_the_service_with_the_token_a_fit_sends(service, tiny_model, tmp_path, monkeypatch):
+    """`esrl env --config` once called a running, token-protected service missing (its /health answered 401 to a
+    request without the token) and advised starting it: it now sends the config's or the environment's token, and
+    a refused or absent token is named as such."""
+    from esrl import needs
+
+    for name in ("ESRL_SCORER_TOKEN", "ESRL_SCORER_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    config = yaml.safe_load(pku_config(tmp_path / "pku.yaml", tiny_model, service.url).read_text())
+
+    def scorer_need():
+        (need,) = [n for n in needs.remote_needs(config) if n.field.startswith("data.task_args.scorer")]
+        return need
+
+    assert scorer_need().status == needs.OK  # the config's token
+    del config["data"]["task_args"]["token"]
+    need = scorer_need()
+    assert need.status == needs.MISSING and "it answers 401: it wants a token; set ESRL_SCORER_TOKEN" in need.fix
+    monkeypatch.setenv("ESRL_SCORER_TOKEN", TOKEN)
+    assert scorer_need().status == needs.OK
+    monkeypatch.setenv("ESRL_SCORER_TOKEN", "wrong")
+    assert "the token is refused" in scorer_need().fix
+    service_down = {**config, "data": {**config["data"], "task_args": {**config["data"]["task_args"],
+                                                                          "scorer": f"http://127.0.0.1:{free_port()}"}}}
+    (down,) = [n for n in needs.remote_needs(service_down) if n.field.startswith("data.task_args.scorer")]
+    assert down.status == needs.MISSING and down.fix.startswith("start it: esrl serve-scorer")

@@ -156,13 +156,30 @@ def _local_model(field: str, name: str) -> list[Need]:
     return [Need(f"{field}: {name}", "the model folder", OK, "")]
 
 
-def _scorer_answers(url: str) -> str:
+def _scorer_need(url: str, token: str | None) -> Need:
+    """The scorer service, asked as `esrl fit` will ask it: GET /health with the config's token (data.task_args.token),
+    else ESRL_SCORER_TOKEN_FILE's, else ESRL_SCORER_TOKEN's (esrl.scoring.token.client_token)."""
     import httpx
 
+    from esrl.errors import EsrlError
+    from esrl.scoring.token import client_token
+
+    field, what = f"data.task_args.scorer: {url}", "a scorer service answering GET /health"
+    start = "start it: esrl serve-scorer --reward-model ... --port ..."
     try:
-        return OK if httpx.get(url.rstrip("/") + "/health", timeout=3.0).status_code == 200 else MISSING
+        token = client_token(token)
+    except EsrlError as e:  # a token file that is not there
+        return Need(field, what, MISSING, str(e))
+    try:
+        code = httpx.get(url.rstrip("/") + "/health", timeout=3.0,
+                         headers={"Authorization": f"Bearer {token}"} if token else {}).status_code
     except httpx.HTTPError:
-        return MISSING
+        return Need(field, what, MISSING, start)
+    if code in (401, 403):
+        return Need(field, what, MISSING, f"it answers {code}: " + (
+            "the token is refused; give the service's" if token else
+            "it wants a token; set ESRL_SCORER_TOKEN or ESRL_SCORER_TOKEN_FILE (or data.task_args.token)"))
+    return Need(field, what, OK if code == 200 else MISSING, f"it answers {code}; {start}")
 
 
 def remote_needs(config: dict) -> list[Need]:
@@ -172,8 +189,7 @@ def remote_needs(config: dict) -> list[Need]:
     needs: list[Need] = []
     scorer = str(_get(config, "data.task_args.scorer", ""))
     if scorer.startswith(("http://", "https://")):
-        needs.append(Need(f"data.task_args.scorer: {scorer}", "a scorer service answering GET /health",
-                          _scorer_answers(scorer), "start it: esrl serve-scorer --reward-model ... --port ..."))
+        needs.append(_scorer_need(scorer, _get(config, "data.task_args.token")))
     model = str(_get(config, "model.policy.name_or_path", ""))
     if _hub_id(model):
         cached = isinstance(try_to_load_from_cache(model, "config.json"), str)
