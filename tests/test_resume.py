@@ -149,6 +149,8 @@ def test_sigint_stops_after_the_step_with_a_checkpoint_and_exit_130(config, tmp_
     assert "Traceback" not in out and not (checkpoints.parent / "final").exists()
     assert "manual optimization" not in out  # Lightning's 12-line advice on pre-step states: not for ES
     assert "litlogger" not in out  # nor its tip to install an experiment tracker
+    # nor "Received SIGTERM" (its handler, which esrl calls for a Ctrl+C too) or `weights_only` (esrl's own save)
+    assert "Received SIGTERM" not in out and "weights_only" not in out, out[-3000:]
 
 
 @pytest.mark.parametrize("when", ["importing", "Seed set", "Loading weights"])

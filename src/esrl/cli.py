@@ -153,11 +153,17 @@ def attach_negative_numbers(argv: list[str]) -> list[str]:
     return out
 
 
+LIGHTNING_NOISE = (
+    "💡 Tip:",  # "try installing litlogger": an advertisement in every run's log
+    "Detected KeyboardInterrupt",  # "attempting graceful shutdown": esrl.entry says "esrl: interrupted (Ctrl+C)"
+    "Received SIGTERM",  # its SIGTERM handler, which esrl.callbacks.interruption calls after its own line (Ctrl+C too)
+)
+
+
 def no_tips(record: logging.LogRecord) -> bool:
-    """Lightning's "💡 Tip: ... try installing litlogger" lines (an advertisement in every run's log), and its
-    "Detected KeyboardInterrupt, attempting graceful shutdown" (esrl.entry says "esrl: interrupted (Ctrl+C)")."""
+    """Lightning's log lines that say nothing to an esrl user, or the wrong thing (LIGHTNING_NOISE)."""
     message = record.getMessage()
-    return "💡 Tip:" not in message and "Detected KeyboardInterrupt" not in message
+    return not any(noise in message for noise in LIGHTNING_NOISE)
 
 
 def main(args: list[str] | None = None) -> None:
@@ -175,7 +181,8 @@ def main(args: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
     # ES steps its optimizer by hand; the checkpoint after the step is the one it resumes from (esrl.resume)
     warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization")
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(no_tips)
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.pytorch.trainer.connectors.signal_connector"):
+        logging.getLogger(name).addFilter(no_tips)
     # argv is sys.argv's own (attach_negative_numbers may have joined a flag and its value): not a mistake
     warnings.filterwarnings("ignore", message=r".*LightningCLI's args parameter is intended to run from within")
     try:

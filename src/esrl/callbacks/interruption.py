@@ -119,7 +119,7 @@ class Interruption(L.Callback):
         on_exception, after Lightning has counted the batch done, a stop after an epoch's last batch resumed into
         other weights than the uninterrupted run (tests/test_resume.py -k epoch)."""
         path = pl_module.run_dir() / "checkpoints" / CHECKPOINT
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path, weights_only=False)  # resumable: optimizer, loops, callbacks
         self._saved_at = trainer.global_step
         rank_zero_info(f"esrl: {interrupted_by} at step {trainer.global_step}: saved {path}; resume with "
                        f"--ckpt_path {path}")
