@@ -245,3 +245,27 @@ def test_a_bad_grid_value_is_one_line_naming_its_run_before_any_run(tiny_model, 
     (error,) = capsys.readouterr().err.strip().splitlines()
     assert error.startswith("esrl study: error: " + message), error
     assert not (tmp_path / "out").exists()
+
+
+def test_dry_run_prints_each_runs_fit_command_which_fit_accepts(tiny_model, tmp_path):
+    """--dry-run's lines are `esrl fit` commands (over the base config, the run's keys as flags) that fit's own checks
+    accept, one per run, and it writes nothing."""
+    import shlex
+
+    from esrl.fit_check import check_fit_args
+
+    path = write_study(tmp_path, tiny_model, grid={"model.rollout.max_new_tokens": [4, 6]})
+    out = run_esrl("study", path, "--dry-run")
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 2 * 2 * 2 and not (tmp_path / "out").exists()  # algorithms x grid points x seeds
+    commands = {}
+    for line in lines:
+        name, command = line.split(" (new): ")
+        words = shlex.split(command.split(" # + ")[0])
+        assert words[:2] == ["esrl", "fit"] and f"--trainer.default_root_dir {tmp_path / 'out' / 'runs' / name}" \
+            in " ".join(words)
+        commands[name] = words[2:]
+    assert "--model.rollout.max_new_tokens 6 --seed_everything 1 --algo grpo" in " ".join(
+        commands["grpo_max_new_tokens=6_seed=1"])
+    check_fit_args(list(commands.items()))

@@ -126,8 +126,21 @@ TOOLS_HELP = "other commands (each with --help):\n" + "\n".join(
     f"  esrl {name:<13} {summary}" for name, (_, summary) in TOOLS.items())
 
 
+DESCRIPTION = "esrl: post-train a language model with Evolution Strategies or GRPO (--algo) on one Lightning Trainer."
+SUBCOMMANDS_HELP = {  # instead of the Trainer methods' first docstring lines, which say nothing of esrl (and cut one)
+    "fit": "train with --algo es or grpo, evaluating through the Evaluation callback; --ckpt_path resumes",
+    "validate": "evaluate the policy on the task's eval prompts, without training",
+    "test": "the same evaluation, logged as test",
+}
+
+
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, DefaultHelpFormatter):
-    """jsonargparse's help, with the epilog's lines (TOOLS_HELP) kept as written."""
+    """jsonargparse's help, with the epilog's lines (TOOLS_HELP) kept as written and esrl's subcommand lines."""
+
+    def _get_help_string(self, action) -> str:
+        if isinstance(action.dest, str) and action.dest in SUBCOMMANDS_HELP and not action.option_strings:
+            return SUBCOMMANDS_HELP[action.dest]
+        return super()._get_help_string(action)
 
 
 def _run_tool(name: str, argv: list[str]) -> None:
@@ -191,7 +204,8 @@ def main(args: list[str] | None = None) -> None:
             seed_everything_default=0,
             trainer_defaults={"num_sanity_val_steps": 0, "log_every_n_steps": 1},
             save_config_kwargs={"overwrite": True},
-            parser_kwargs={"epilog": TOOLS_HELP, "formatter_class": _HelpFormatter},  # the main parser's
+            parser_kwargs={"description": DESCRIPTION, "epilog": TOOLS_HELP,  # the main parser's
+                           "formatter_class": _HelpFormatter},
             args=argv,
         )
     except EsrlError as e:

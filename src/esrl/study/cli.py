@@ -24,7 +24,7 @@ import yaml
 from esrl.errors import EsrlError
 from esrl.fit_check import check_fit_args
 from esrl.study.config import load_study
-from esrl.study.runner import plan, resolved_config, run_all, status
+from esrl.study.runner import fit_line, plan, resolved_config, run_all, status
 
 
 class StudyError(EsrlError, RuntimeError):
@@ -42,7 +42,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--report", action="store_true", help="only write the report from the runs there")
     p.add_argument("--summarize", action="store_true",
                    help="write the report only once every run is done (what each SLURM array task does at its end)")
-    p.add_argument("--dry-run", action="store_true", help="print each run's fit command and state, run nothing")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check every run's config, print each run's state and fit command, run nothing")
     p.add_argument("--jobs", type=int, default=1, help="runs at once (default 1: one after another)")
     return p
 
@@ -79,7 +80,7 @@ def _main(argv: list[str] | None) -> Any:
                         for run in todo if status(run) != "done"])
     if args.dry_run:
         for run in todo:
-            print(f"{run.name}: {status(run)}; config {resolved_config(study, run)}")
+            print(f"{run.name} ({status(run)}): {fit_line(study, run)}")
         return runs
     failed = [] if (args.report or args.summarize) else run_all(study, todo, args.jobs)
     if args.index is not None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
+import shlex
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -82,6 +84,19 @@ def resolved_config(study: StudyConfig, run: Run) -> dict[str, Any]:
                                         "save_top_k": 1}})
         config["trainer"]["callbacks"] = callbacks
     return config
+
+
+def fit_line(study: StudyConfig, run: Run) -> str:
+    """The run as one `esrl fit` command over the base config (what --dry-run prints): the study's, the algorithm's
+    and the grid point's keys as flags. The run itself writes them into its config.yaml and fits that."""
+    flags = {**study.overrides, **run.algorithm.overrides, **run.point, "seed_everything": run.seed,
+             "algo": run.algorithm.algo, "trainer.default_root_dir": str(run.root)}
+    words = ["esrl", "fit", "--config", study.base_config]
+    for key, value in flags.items():
+        words += [f"--{key}", value if isinstance(value, str) else json.dumps(value)]
+    if study.checkpoint_every_n_steps:
+        words.append(f"# + a ModelCheckpoint every {study.checkpoint_every_n_steps} steps in its checkpoints/")
+    return " ".join(shlex.quote(w) if not w.startswith("# +") else w for w in words)
 
 
 def final_dir(root: Path) -> Path | None:
