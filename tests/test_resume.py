@@ -151,6 +151,9 @@ def test_sigint_stops_after_the_step_with_a_checkpoint_and_exit_130(config, tmp_
     assert "litlogger" not in out  # nor its tip to install an experiment tracker
     # nor "Received SIGTERM" (its handler, which esrl calls for a Ctrl+C too) or `weights_only` (esrl's own save)
     assert "Received SIGTERM" not in out and "weights_only" not in out, out[-3000:]
+    # nor, on one device, Lightning's process-group banner (ES's strategy makes a group of one) or the note that
+    # esrl's step bar replaced the default one
+    assert "distributed_backend" not in out and "MEMBER: 1/1" not in out and "RichProgressBar" not in out
 
 
 @pytest.mark.parametrize("when", ["importing", "Seed set", "Loading weights"])

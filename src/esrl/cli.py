@@ -166,17 +166,20 @@ def attach_negative_numbers(argv: list[str]) -> list[str]:
     return out
 
 
-LIGHTNING_NOISE = (
-    "💡 Tip:",  # "try installing litlogger": an advertisement in every run's log
-    "Detected KeyboardInterrupt",  # "attempting graceful shutdown": esrl.entry says "esrl: interrupted (Ctrl+C)"
-    "Received SIGTERM",  # its SIGTERM handler, which esrl.callbacks.interruption calls after its own line (Ctrl+C too)
-)
+LIGHTNING_NOISE = re.compile("|".join([
+    r"💡 Tip:",  # "try installing litlogger": an advertisement in every run's log
+    r"Detected KeyboardInterrupt",  # "attempting graceful shutdown": esrl.entry says "esrl: interrupted (Ctrl+C)"
+    r"Received SIGTERM",  # its SIGTERM handler, which esrl.callbacks.interruption calls after its own line (Ctrl+C too)
+    r"MEMBER: 1/1$", r"Starting with 1 processes\n",  # ES's strategy makes a process group of one on one device
+    r"override existing callbacks passed to Trainer: RichProgressBar$",  # esrl's step bar (PolicyModule)
+]))
+LIGHTNING_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.pytorch.trainer.connectors.signal_connector",
+                     "lightning.fabric.utilities.distributed")
 
 
 def no_tips(record: logging.LogRecord) -> bool:
     """Lightning's log lines that say nothing to an esrl user, or the wrong thing (LIGHTNING_NOISE)."""
-    message = record.getMessage()
-    return not any(noise in message for noise in LIGHTNING_NOISE)
+    return not LIGHTNING_NOISE.search(record.getMessage())
 
 
 def main(args: list[str] | None = None) -> None:
@@ -194,7 +197,7 @@ def main(args: list[str] | None = None) -> None:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
     # ES steps its optimizer by hand; the checkpoint after the step is the one it resumes from (esrl.resume)
     warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization")
-    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.pytorch.trainer.connectors.signal_connector"):
+    for name in LIGHTNING_LOGGERS:
         logging.getLogger(name).addFilter(no_tips)
     # argv is sys.argv's own (attach_negative_numbers may have joined a flag and its value): not a mistake
     warnings.filterwarnings("ignore", message=r".*LightningCLI's args parameter is intended to run from within")
