@@ -156,6 +156,14 @@ def test_parser_error_is_one_line_and_a_help_hint(tmp_path):
     assert "usage:" not in out.stderr and "Traceback" not in out.stderr
 
 
+def test_an_unknown_option_of_a_config_class_is_named_whole(tmp_path):
+    """Not jsonargparse's 'Parser key "model.es": Problem with given class_path 'esrl.es.config.ESConfig': Option
+    'bogus' is not accepted'."""
+    out = run_esrl("fit", "--config", DEMO, "--model.es.bogus", "1", "--trainer.default_root_dir", tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-2] == 'esrl: error: Parser key "model.es.bogus": model.es has no option bogus'
+
+
 def test_a_bad_value_in_a_config_file_is_named_without_its_whole_section(tmp_path):
     """jsonargparse adds the section the value came in ("Given value: {...}", a dozen fields): the value is named."""
     import yaml

@@ -16,6 +16,10 @@ _NOISE = re.compile(r"^(Does not validate against any of the Union subtypes|Subt
 _NESTED_KEY = re.compile(r'Parser key "([^"]+)": Problem with given class_path \'[^\']+\': Parser key "([^"]+)":')
 
 
+_UNKNOWN_OPTION = re.compile(r'Parser key "([^"]+)": Problem with given class_path \'[^\']+\': '
+                             r"Option '([^']+)' is not accepted$")
+
+
 def one_line(message: str) -> str:
     lines = [line.strip() for line in str(message).splitlines()]
     kept = [line.removeprefix("- ") for line in lines if line and not _NOISE.match(line)]
@@ -24,6 +28,7 @@ def one_line(message: str) -> str:
     text = " ".join(kept) or str(message).strip()
     while _NESTED_KEY.search(text):  # a bad field of a config class: name it whole (model.grpo.loss_type: ...)
         text = _NESTED_KEY.sub(r'Parser key "\1.\2":', text)
+    text = _UNKNOWN_OPTION.sub(r'Parser key "\1.\2": \1 has no option \2', text)  # a typo, on a line or in a file
     return text
 
 
