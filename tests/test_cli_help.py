@@ -23,3 +23,25 @@ def test_each_listed_command_answers_its_own_help(name):
     result = run_esrl(name, "--help")
     assert result.returncode == 0, result.stderr
     assert f"usage: esrl {name}" in result.stdout
+
+
+@pytest.mark.parametrize("section, cls", [("model.es", "esrl.es.config.ESConfig"),
+                                          ("model.grpo", "esrl.grpo.config.GRPOConfig"),
+                                          ("model.rollout", "esrl.rollout.base.RolloutConfig"),
+                                          ("model.policy", "esrl.policy.PolicyConfig")])
+def test_every_config_field_has_its_documentation_in_the_help(section, cls):
+    """Each field's docstring (the documentation under it in its dataclass) is its --help text, not only its type."""
+    import dataclasses
+    import importlib
+
+    module, _, name = cls.rpartition(".")
+    fields = [f.name for f in dataclasses.fields(getattr(importlib.import_module(module), name))]
+    out = run_esrl("fit", f"--{section}.help", cls)
+    assert out.returncode == 0, out.stderr
+    entries = {}
+    for entry in out.stdout.split(f"\n  --{section}.")[1:]:
+        key, _, rest = entry.partition(" ")
+        entries[key] = " ".join(rest.split())
+    for field in fields:
+        described = entries[field].split("(type:")[0].split(maxsplit=1)[1:]  # after the metavar
+        assert described and len(described[0]) > 10, (field, entries[field])

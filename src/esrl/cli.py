@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 import warnings
 
-from jsonargparse import DefaultHelpFormatter
+from jsonargparse import DefaultHelpFormatter, set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -28,6 +28,10 @@ from esrl.module_factory import build_module, fit_trainer_to_algo
 from esrl.parser_errors import help_hint, one_line
 from esrl.resume import explicit_fields, load_for_plan, plan_resume, resumed_version
 from esrl.needs import check as check_needs
+
+
+# Config fields are documented by the docstring under each (TRL's style); --help shows them (no slower here).
+set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
 
 class EsrlCLI(LightningCLI):
