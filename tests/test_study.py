@@ -269,3 +269,15 @@ def test_dry_run_prints_each_runs_fit_command_which_fit_accepts(tiny_model, tmp_
     assert "--model.rollout.max_new_tokens 6 --seed_everything 1 --algo grpo" in " ".join(
         commands["grpo_max_new_tokens=6_seed=1"])
     check_fit_args(list(commands.items()))
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="on a GPU machine the GPU need is met")
+def test_a_dry_run_where_the_runs_cannot_run_prints_its_plan_then_the_problem(tiny_model, tmp_path):
+    """Planned on a machine without the runs' GPUs: the plan, then the one line that a real run would stop at."""
+    path = write_study(tmp_path, tiny_model, overrides={"trainer.accelerator": "gpu"})
+    out = run_esrl("study", path, "--dry-run")
+    assert out.returncode == 2 and len(out.stdout.strip().splitlines()) == 4, out.stdout + out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "esrl study: error: es_seed=0: trainer.accelerator: gpu needs 1 CUDA GPU(s) (0 found; on a CPU pass "
+        "--trainer.accelerator cpu)"]
+    assert not (tmp_path / "out").exists()

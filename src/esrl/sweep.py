@@ -243,13 +243,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.summarize and not any((out / run_name(c)).is_dir() for c in combos):
         raise SweepError(f"--out {out}: " + ("no such folder" if not out.is_dir() else
                          f"none of this grid's {len(combos)} run folders is there") + ", nothing to summarize")
+    problem = None
     if not args.summarize:
         check_config(args.config, grid)
-        # every run's values as its fit checks them (esrl.fit_check): a bad one is one line before any run starts
-        check_fit_args([(run_name(c), fit_args(args.config, c, out / run_name(c), extra)) for c in todo])
+        try:  # every run's values as its fit checks them (esrl.fit_check): one line before any run starts
+            check_fit_args([(run_name(c), fit_args(args.config, c, out / run_name(c), extra)) for c in todo])
+        except EsrlError as e:
+            if not args.dry_run:
+                raise
+            problem = e  # a dry run prints its plan first (planned where the runs will not run, say)
     if args.dry_run:
         for combo in todo:
             print(" ".join(fit_command(args.config, combo, out / run_name(combo), extra)))
+        if problem is not None:
+            raise problem
         return []
     out.mkdir(parents=True, exist_ok=True)
     (out / "grid.json").write_text(json.dumps({"config": args.config, "grid": grid, "extra": extra,

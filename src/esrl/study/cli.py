@@ -73,14 +73,23 @@ def _main(argv: list[str] | None) -> Any:
     if args.index is not None and not 0 <= args.index < len(runs):
         raise StudyError(f"--index {args.index}: the study has {len(runs)} runs (0..{len(runs) - 1})")
     todo = [runs[args.index]] if args.index is not None else runs
+    problem = None
     if not (args.report or args.summarize):
         # Every run still to do as its fit checks it (esrl.fit_check), before the first starts: a bad grid value
-        # is one line naming its run, not a fit.log after the runs before it.
-        check_fit_args([(run.name, ["--config", yaml.safe_dump(resolved_config(study, run), sort_keys=False)])
-                        for run in todo if status(run) != "done"])
+        # is one line naming its run, not a fit.log after the runs before it. A dry run prints its plan first
+        # (planned where the runs will not run: a laptop without the GPUs, say).
+        try:
+            check_fit_args([(run.name, ["--config", yaml.safe_dump(resolved_config(study, run), sort_keys=False)])
+                            for run in todo if status(run) != "done"])
+        except EsrlError as e:
+            if not args.dry_run:
+                raise
+            problem = e
     if args.dry_run:
         for run in todo:
             print(f"{run.name} ({status(run)}): {fit_line(study, run)}")
+        if problem is not None:
+            raise problem
         return runs
     failed = [] if (args.report or args.summarize) else run_all(study, todo, args.jobs)
     if args.index is not None:
