@@ -105,7 +105,7 @@ class StaticDecoder:
         from transformers import StaticCache
 
         self.model, self.key, self.attention, self.check_every = model, key, attention, check_every
-        # dynamic=False: this decoder's shapes only; each decoder compiles its own step (guards on its buffers)
+        # dynamic=False: this decoder's shapes only (shared with other decoders' compiles: see generate)
         self.step = torch.compile(self._step, dynamic=False) if fuse else self._step
         device = model.device
         self.graphs = device.type == "cuda"
@@ -204,7 +204,10 @@ class StaticDecoder:
         self.record_seconds = time.perf_counter() - start
 
     @torch.inference_mode()
-    @torch._dynamo.config.patch(recompile_limit=64)  # fused: one compile per decoder of the run, not 8 at most
+    # fused: Dynamo keeps one cache per code object, so every decoder's compiled `_step` is a candidate for every
+    # other's call, told apart by guards: one compile per decoder of the run (not 8 at most), and guards on the
+    # model's hooks too (off by default), or a population decode would reuse a hookless step of its shape
+    @torch._dynamo.config.patch(recompile_limit=64, skip_nnmodule_hook_guards=False)
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, temperature: float = 1.0,
                  top_p: float = 1.0, min_new_tokens: int = 0) -> torch.Tensor:
         """(rows, new_tokens) token ids, pad after EOS; a fresh generation on the same buffers every call."""
