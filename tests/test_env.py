@@ -110,3 +110,15 @@ def test_policy_model_found_missing_or_left_to_the_hub(tmp_path):
     (hub,) = policy_needs("esrl-tests/not-a-cached-model")
     assert hub.status == needs.FETCHED and "hf download esrl-tests/not-a-cached-model" in hub.fix
     assert policy_needs("smollm2-135m-instruct") == []
+
+
+@pytest.mark.parametrize(("devices", "wanted"), [(1, 1), ("2", 2), (-1, 1), ("-1", 1), ("auto", 1), ([0], 1),
+                                                 ([1], 2), ("0,1", 2), ("1,", 2), ([0, 3], 4)])
+def test_the_gpus_a_trainer_devices_value_needs(devices, wanted, monkeypatch):
+    """As Lightning reads `devices` on a GPU: a count, GPU indices (a list, or a string with commas), or all; a
+    list of indices once counted its length ([1] on a one-GPU machine passed, "0,1" counted as 1)."""
+    monkeypatch.setattr(needs, "_gpus", lambda: 1)
+    assert needs.gpus_wanted(devices) == wanted
+    (need,) = [n for n in needs.local_needs({"trainer": {"accelerator": "gpu", "devices": devices}})
+               if n.field.startswith("trainer.accelerator")]
+    assert need.status == (needs.OK if wanted == 1 else needs.MISSING) and need.what == f"{wanted} CUDA GPU(s)"

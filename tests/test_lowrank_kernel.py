@@ -192,6 +192,23 @@ def test_the_gemm_terms_reuse_one_buffer_of_blocks_whose_zeros_stay_zero():
     assert torch.equal(reused, fresh) and not torch.equal(fresh, second[0])
 
 
+def test_the_gemm_buffer_made_under_inference_mode_serves_a_step_outside_it():
+    """Engines generate under torch.inference_mode, so a buffer made there is an inference tensor; a population step
+    of the same shape outside it (an eager hooked forward under no_grad) once raised "Inplace update to inference
+    tensor outside InferenceMode". Each mode keeps its own buffer, with the same sums."""
+    import esrl.es.lowrank_kernel as lk
+
+    lk._BLOCKS.clear()
+    inputs = _inputs(8, torch.bfloat16, torch.bfloat16, m=4, n=5)
+    inside = inputs[0].clone()
+    with torch.inference_mode():
+        lk._gemm_add_(inside, *inputs[1:])
+    outside = inputs[0].clone()
+    with torch.no_grad():
+        lk._gemm_add_(outside, *inputs[1:])
+    assert torch.equal(inside, outside) and not torch.equal(outside, inputs[0])
+
+
 GEMM_CHILD = """
 import torch
 import esrl.es.lowrank_kernel as lk

@@ -54,6 +54,16 @@ def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def gpus_wanted(devices: Any) -> int:
+    """The GPUs a Trainer's `devices` needs, read as Lightning reads it: a count (2, "2"), GPU indices ([1], "0,1",
+    "1,": as many as the highest index + 1), or every GPU (-1, "-1", "auto": at least one)."""
+    if isinstance(devices, (list, tuple)) or (isinstance(devices, str) and "," in devices):
+        ids = [int(i) for i in (devices if not isinstance(devices, str) else devices.split(",")) if str(i).strip()]
+        return max(ids, default=-1) + 1 or 1
+    text = str(devices).strip()
+    return int(text) if text.isdigit() and int(text) > 0 else 1
+
+
 def checked_device(value: str, flag: str):
     """The torch.device a device flag names ("auto": CUDA when there is one, else the CPU). A name torch
     cannot parse, or a GPU this machine lacks, is one ConfigError naming the flag now, not a CUDA error at
@@ -112,8 +122,7 @@ def local_needs(config: dict) -> list[Need]:
                           "none found; on a CPU pass --trainer.strategy auto"))
     accelerator = str(_get(config, "trainer.accelerator", "auto"))
     if accelerator in ("gpu", "cuda"):
-        devices = _get(config, "trainer.devices", 1)
-        wanted = len(devices) if isinstance(devices, list) else int(devices) if str(devices).isdigit() else 1
+        wanted = gpus_wanted(_get(config, "trainer.devices", 1))
         found = _gpus()
         needs.append(Need(f"trainer.accelerator: {accelerator}", f"{wanted} CUDA GPU(s)",
                           OK if found >= wanted else MISSING,

@@ -214,7 +214,8 @@ def _gemm_add_(ys: torch.Tensor, xs: torch.Tensor, a_t: torch.Tensor, b_t: torch
         blocks = a_t.new_zeros(m, n, m, r)
         torch.diagonal(blocks, dim1=0, dim2=2).copy_(torch.bmm(*x_b).permute(1, 2, 0))
     else:
-        key = (m, n, r, a_t.dtype, a_t.device)
+        # a buffer made under inference_mode (engines generate there) is an inference tensor: not writable outside
+        key = (m, n, r, a_t.dtype, a_t.device, torch.is_inference_mode_enabled())
         if key not in _BLOCKS:
             _BLOCKS[key] = a_t.new_zeros(m, n, m, r)
         blocks = _BLOCKS[key]

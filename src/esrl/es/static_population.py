@@ -43,8 +43,10 @@ class StaticPopulation:
         if share is None:
             share = next(model.parameters()).is_cuda
         self.runs = []  # keys whose terms one launch adds, after the last
-        if share:
-            with self._decoding():
+        if share:  # probed with the rollouts' attention kernels: cuDNN's would not repeat, and the probe compares
+            from esrl.rollout.hf import rollout_attention
+
+            with self._decoding(), rollout_attention(next(model.parameters()).device):
                 self.runs = late_runs(model, targets, MAX_LINEARS)
         run_of = {key: run for run in self.runs for key in run}
         self._pending: dict[str, torch.Tensor] = {}  # outputs of a run's first modules, until its last one
