@@ -347,8 +347,12 @@ from esrl.rollout import HFEngine, RolloutConfig, build_engine
 v.cuda_index = lambda: 1  # as on cuda:1: no process group yet (GRPO on one device)
 path = sys.argv[1]
 model, tok = load_causal_lm(path), load_tokenizer(path)
-engine = build_engine(RolloutConfig(engine="vllm", vllm_kwargs={"max_model_len": 256,
-                                                                 "kv_cache_memory_bytes": 64 << 20}), model, tok)
+import torch
+torch.set_default_dtype(torch.bfloat16)
+with torch.device("meta"):  # as Lightning's configure_model on a GPU: the root device's and the precision's defaults
+    engine = build_engine(RolloutConfig(engine="vllm", vllm_kwargs={"max_model_len": 256,
+                                                                     "kv_cache_memory_bytes": 64 << 20}), model, tok)
+torch.set_default_dtype(torch.float32)
 from vllm.distributed.parallel_state import get_world_group
 prompts = [[{"role": "user", "content": "Say something short."}], [{"role": "user", "content": "Hi!"}]]
 greedy = dict(max_new_tokens=8, greedy=True)
@@ -363,7 +367,9 @@ print(json.dumps({"local_rank": get_world_group().local_rank,
 def test_an_engine_built_for_another_device_without_a_process_group_generates_as_the_hf_engine(tmp_path):
     """The external_launcher path where no process group exists (GRPO on one device, cuda:1 faked): vLLM starts
     its own, places the engine by LOCAL_RANK 1, generates the HF engine's greedy tokens, and the environment it read
-    is gone afterwards. On the CPU: the device placement itself is not checked here."""
+    is gone afterwards. Built inside a default device and dtype (meta and bf16 here; Lightning's configure_model sets
+    the GPU's and the precision's), which vLLM's own tensors once took ("Cannot copy out of meta tensor"). On the
+    CPU: the device placement itself is not checked here."""
     import json
     import subprocess
     import sys

@@ -28,8 +28,9 @@ Prefix caching is off: cached KV blocks from old weights would survive a weight 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 import socket
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 from unittest import mock
 
 import torch
@@ -155,6 +156,18 @@ def joined(error: Exception) -> str:
                     if line.strip() and "errors.pydantic.dev" not in line)
 
 
+@contextmanager
+def plain_tensor_defaults() -> Iterator[None]:
+    """Tensors made without a device land on the CPU, without a dtype in fp32, whatever the caller's context."""
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        with torch.device("cpu"):
+            yield
+    finally:
+        torch.set_default_dtype(dtype)
+
+
 class VLLMEngine(RolloutEngine):
     """Rollouts with an in-process vLLM engine holding its own copy of the weights.
 
@@ -202,7 +215,10 @@ class VLLMEngine(RolloutEngine):
         from pydantic import ValidationError
 
         try:
-            with mock.patch.dict(os.environ, environment):  # restored after: see rank_engine_kwargs
+            # restored after: see rank_engine_kwargs; and vLLM's own tensors on the CPU in fp32 wherever they name no
+            # device or dtype, as vLLM expects: Lightning builds the engine in configure_model, under the strategy's
+            # root device (a GPU) and the precision's default dtype
+            with mock.patch.dict(os.environ, environment), plain_tensor_defaults():
                 self.llm = LLM(**kwargs)
         except (ValidationError, TypeError) as e:  # vLLM's checks of its arguments (vllm_kwargs among them)
             raise ConfigError(f"model.rollout.vllm_kwargs: vLLM refused the engine's arguments: {joined(e)}") from None
@@ -212,7 +228,8 @@ class VLLMEngine(RolloutEngine):
         self.max_model_len = kwargs["max_model_len"]  # a prompt and its completion fit it (check_context)
         table = hf_param_table(self.model_path, hf_model)
         self.hf_names = [n for n, _ in table]
-        self.setup_info = self.llm.collective_rpc("esrl_setup", args=(table, self.model_path))
+        with plain_tensor_defaults():
+            self.setup_info = self.llm.collective_rpc("esrl_setup", args=(table, self.model_path))
         self._next_lora_id = 1
         self._default_lora = None  # set_default_adapter: the adapter every plain generate uses
         self._asleep = False
