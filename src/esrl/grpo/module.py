@@ -12,10 +12,10 @@ Read top to bottom, one step is:
 5. loss      per-token log-probs of the policy, clipped surrogate + beta * k3 KL (GRPOLoss, TRL parity)
 6. update    Lightning does backward, gradient accumulation, clipping, AdamW and the LR schedule
 
-With num_iterations = mu > 1, the rollouts of one optimizer step are kept and trained on for mu
-optimizer steps. Rolling the whole window out before its first backward makes dapo/cispo/vespo's divisor
-(TRL's num_items_in_batch, the step's loss tokens on every process) known to every micro-batch's loss, so the
-gradient Lightning (or DeepSpeed) accumulates is TRL's without touching gradient buffers afterwards.
+With num_iterations = mu > 1, the rollouts of one optimizer step are kept and trained on for mu optimizer steps.
+Rolling the whole window out before its first backward makes dapo/cispo/vespo's divisor (TRL's num_items_in_batch,
+the step's loss tokens on every process) known to every micro-batch's loss, so the gradient Lightning (or
+DeepSpeed) accumulates is TRL's without touching gradient buffers afterwards.
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ class GRPOModule(PolicyModule):
             engine_capabilities(self.rollout_config, self.engine_adapters()))
         self._num_items: torch.Tensor | None = None  # dapo/cispo/vespo: the optimizer step's loss tokens, all ranks
         self._step_loss = 0.0  # the optimizer step's loss as TRL logs it (its micro-batch losses summed)
+        self._closes_window = True  # this micro-batch ends its accumulation window (training_step)
         for message in self.grpo.trl_warnings():
             rank_zero_warn(message)
         self.reference: FrozenReference | None = None  # beta > 0; outside the module tree, see FrozenReference
@@ -132,8 +133,6 @@ class GRPOModule(PolicyModule):
             self.reference = FrozenReference(load_causal_lm(self.model_path, self.policy_config.dtype))
         if self.reference is not None:
             self.reference.to(self.device, dtype)
-        if self.grpo.lora is not None or self.trainer.ckpt_path is not None:  # a resumed run's weights too
-            self.sync_engine()
         if dtype != torch.float32 and not isinstance(self.trainer.strategy, DeepSpeedStrategy):
             rank_zero_warn(f"GRPO: AdamW steps {dtype} weights in place, without fp32 master weights: "
                            "updates smaller than the dtype's resolution (lr 1e-6 on most weights) are "
@@ -169,6 +168,11 @@ class GRPOModule(PolicyModule):
         return self.seed_or_global(self.grpo.seed)
 
 
+    def on_train_start(self) -> None:
+        super().on_train_start()  # vLLM gets the adapter or a resumed run's weights after DeepSpeed's late restore
+        if self.grpo.lora is not None or self.trainer.ckpt_path is not None:
+            self.sync_engine()
+
     # -- one step --------------------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         self._timings = {"rollout": 0.0, "reward": 0.0, "logps": 0.0}
@@ -179,6 +183,8 @@ class GRPOModule(PolicyModule):
         micro_batch = batch_idx % accumulate
         if micro_batch == 0:
             self._step_loss = 0.0
+        # DeepSpeed: Lightning calls optimizer_step and on_before_optimizer_step every micro-batch; steps on the last
+        self._closes_window = micro_batch == accumulate - 1 or batch_idx + 1 == self.trainer.num_training_batches
         window_start = micro_batch == 0 and self.global_step % self.grpo.num_iterations == 0
         if window_start or micro_batch >= len(self._rollouts):  # a resumed run may start mid-window: from there on
             self.roll_out_window(batch, micro_batch)
@@ -310,6 +316,8 @@ class GRPOModule(PolicyModule):
                  batch_size=batch_size)
 
     def on_before_optimizer_step(self, optimizer) -> None:
+        if not self._closes_window:  # DeepSpeed, mid-window: no step (see training_step)
+            return
         grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
         # the step's loss as TRL logs it (the sum of its micro-batch losses; mean over ranks)
         self.log("train/loss", self._step_loss, on_step=True, on_epoch=False, sync_dist=True)
@@ -322,12 +330,13 @@ class GRPOModule(PolicyModule):
     # -- vLLM rollouts (rollout.engine: vllm): the engine keeps its own copy of the weights ---------------------
     def optimizer_step(self, *args, **kwargs) -> None:
         """Lightning's optimizer step, then the policy's new weights pushed into a vLLM engine (HF names; with
-        model.grpo.lora its adapter only), so the next rollout samples from the updated policy. The HF engine generates with the policy itself.
-        With rollout.vllm_sleep the engine slept since the rollout; the push wakes it.
-        Not with DeepSpeed ZeRO-3 (partitioned parameters would need gathering first). Non-finite weights after
-        the step stop the run (esrl.finite)."""
+        model.grpo.lora its adapter only) for the next rollout; the HF engine generates with the policy itself.
+        With rollout.vllm_sleep the push wakes the engine. Not with DeepSpeed ZeRO-3 (partitioned parameters would
+        need gathering). Non-finite weights stop the run (esrl.finite)."""
         step = self.global_step
         super().optimizer_step(*args, **kwargs)
+        if not self._closes_window:  # DeepSpeed, mid-window: its engine took no step (see training_step)
+            return
         check_weights((p for p in self.policy.parameters() if p.requires_grad), algo="GRPO", step=step)
         self.sync_engine()
         if self.constraint is not None:
