@@ -167,3 +167,41 @@ def test_accumulated_run_resumed_from_a_checkpoint_equals_uninterrupted(tiny_mod
     ckpt = next((tmp_path / "whole").rglob("checkpoints/step=1.ckpt"))
     resumed = fit(config, tmp_path / "resumed", "--ckpt_path", str(ckpt))
     assert_same_tensors(load_safetensors(whole), load_safetensors(resumed))
+
+
+EVALUATION_LOADS = """
+import sys
+import esrl.models
+loads, load = [], esrl.models.load_causal_lm  # the name the evaluation's KL loads the base with
+esrl.models.load_causal_lm = lambda *args, **kwargs: loads.append(args) or load(*args, **kwargs)
+from esrl.cli import main
+try:
+    main(sys.argv[1:])
+finally:
+    print("EVALUATION_LOADS", len(loads), flush=True)
+"""
+
+
+@pytest.mark.parametrize("algo, loads", [("grpo", 0), ("es", 1)])
+def test_the_evaluation_kl_reads_grpos_reference_not_a_second_copy(tiny_model, tmp_path, algo, loads):
+    """GRPO with beta > 0 holds the base weights (its KL reference) on the device; the evaluation's KL once loaded
+    another copy (a 7B model's 14-28 GB more per GPU). It reads the reference now; ES, which holds none, loads it.
+    Either way the KL is to the base: 0 before the first step, above 0 after it."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    config = write_tiny_config(tmp_path / "c.yaml", tiny_model, max_steps=1,
+                               es={"population_size": 2, "sigma": 0.05, "alpha": 0.02},
+                               grpo={"num_generations": 2, "beta": 0.04, "learning_rate": 1e-2},
+                               trainer={"callbacks": [{"class_path": "esrl.callbacks.Evaluation",
+                                                       "init_args": {"num_samples": 2, "kl": True}}]})
+    done = subprocess.run([sys.executable, "-c", EVALUATION_LOADS, "fit", "--config", str(config), "--algo", algo,
+                           "--trainer.default_root_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and f"EVALUATION_LOADS {loads}\n" in done.stdout, \
+        done.stdout[-2000:] + done.stderr[-3000:]
+    evals = [json.loads(line) for line in next(tmp_path.rglob("eval.jsonl")).read_text().splitlines()]
+    assert evals[0]["kl"] == 0.0 and evals[-1]["kl"] > 0.0

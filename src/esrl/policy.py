@@ -96,6 +96,11 @@ class PolicyModule(L.LightningModule):
         if seconds:
             self.log("time/compile", seconds, on_step=True, on_epoch=False, rank_zero_only=True)
 
+    def frozen_base(self) -> torch.nn.Module | None:
+        """The base weights, frozen on this module's device, when the algorithm already holds them (GRPO's KL
+        reference): the evaluation's KL reads them rather than loading a second copy of the model."""
+        return None
+
     def engine_adapters(self) -> AdapterSpec | None:
         """Row adapters the algorithm will run on an engine with its own weights (ES lowrank / lora); none here."""
         return None

@@ -137,8 +137,10 @@ class Evaluation(L.Callback):
         from esrl.models.logps import per_token_logps
         from esrl.rollout import render_prompts
 
-        if self._base is None:
+        base = module.frozen_base()  # GRPO's reference: no second copy of the model on the device
+        if base is None and self._base is None:
             self._base = load_causal_lm(module.model_path, module.policy_config.dtype).to(module.device)
+        base = base if base is not None else self._base
         tok = module.tokenizer
         prompts = render_prompts(tok, module.task.prompts(rows))
         total, tokens = 0.0, 0
@@ -146,7 +148,7 @@ class Evaluation(L.Callback):
             chunk = slice(start, start + 16)
             ids, mask, width = _pack(tok, prompts[chunk], [c.token_ids for c in samples[chunk]], module.device)
             lp = per_token_logps(module.policy, ids, mask, width, self.temperature)
-            lr = per_token_logps(self._base, ids, mask, width, self.temperature)
+            lr = per_token_logps(base, ids, mask, width, self.temperature)
             m = mask[:, -width:]
             total += float(k3_kl(lp, lr, m)) * int(m.sum())
             tokens += int(m.sum())

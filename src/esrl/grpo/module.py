@@ -39,6 +39,7 @@ from esrl.grpo.loss import GLOBAL_TOKEN_LOSSES, GRPOLoss
 from esrl.grpo.optim import default_adamw, default_schedule
 from esrl.grpo.reference import FrozenReference
 from esrl.grpo.rollout_batch import RolloutBatch, rollout_tensors
+from esrl.grpo.step_metrics import rank_reduction
 from esrl.models.loading import load_causal_lm
 from esrl.models.logps import per_token_logps
 from esrl.models.lora import GRPO_FIELDS, is_peft, policy_adapter, wrap_lora
@@ -167,6 +168,9 @@ class GRPOModule(PolicyModule):
         """The configured seed, else the run's seed_everything value (Lightning exports it)."""
         return self.seed_or_global(self.grpo.seed)
 
+
+    def frozen_base(self) -> torch.nn.Module | None:
+        return self.reference.model if self.reference is not None else None
 
     def on_train_start(self) -> None:
         super().on_train_start()  # vLLM gets the adapter or a resumed run's weights after DeepSpeed's late restore
@@ -382,18 +386,3 @@ def built(flag: str, factory, *args):
         return factory(*args)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{flag}: {e}") from None
-
-
-COUNTS = {"train/bad_rewards"}
-"""Step metrics that count samples: summed over processes, so the logged number is the step's, as ES logs it."""
-
-
-def rank_reduction(key: str) -> str:
-    """How a step metric combines over processes: "sum" for COUNTS, "min" for a ..._min or .../min key, "max"
-    likewise, else "mean"."""
-    if key in COUNTS:
-        return "sum"
-    for reduce_fx in ("min", "max"):
-        if key.endswith((f"_{reduce_fx}", f"/{reduce_fx}")):
-            return reduce_fx
-    return "mean"
