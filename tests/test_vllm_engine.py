@@ -246,6 +246,22 @@ def test_arguments_vllm_refuses_are_one_config_error_naming_vllm_kwargs(tiny_lm)
     assert "max_model_len (100000)" in message
 
 
+@requires_vllm
+def test_member_adapters_on_a_gpu_in_float32_are_one_line_before_the_engine_starts(tiny_lm, monkeypatch):
+    """vLLM's CUDA LoRA kernels assert float16/bfloat16 inputs during the engine's start (its memory profiling): an
+    fp32 policy (GRPO's recommended dtype) with member adapters was an AssertionError traceback. On the CPU vLLM runs
+    LoRA in any dtype, so the GPU is faked here: the refusal comes before anything starts."""
+    from esrl.models.loading import load_tokenizer
+    from esrl.rollout import AdapterSpec, RolloutConfig, build_engine
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ConfigError) as err:
+        build_engine(RolloutConfig(engine="vllm"), tiny_lm, load_tokenizer("smollm2-135m-instruct"),
+                     AdapterSpec(4, (), "model.es.rank"))
+    assert str(err.value).startswith("model.rollout.engine vllm: model.es.rank needs LoRA, which vLLM runs in "
+                                     "float16 or bfloat16 on a GPU; the engine would run float32")
+
+
 def _rank_kwargs(rank: int, store: str, results) -> None:
     """One of two Gloo ranks: what rank_engine_kwargs gives, and what it refuses."""
     import os

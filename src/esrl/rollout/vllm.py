@@ -186,6 +186,12 @@ class VLLMEngine(RolloutEngine):
         from vllm import LLM
 
         self.config = config or RolloutConfig(engine="vllm")
+        engine_dtype = extra.get("dtype", (self.config.vllm_kwargs or {}).get("dtype", dtype))
+        if adapters is not None and str(engine_dtype).removeprefix("torch.") == "float32" \
+                and torch.cuda.is_available():  # vLLM's CUDA LoRA kernels assert half precision, at start
+            raise ConfigError(f"model.rollout.engine vllm: {adapters.field} needs LoRA, which vLLM runs in float16 or "
+                              "bfloat16 on a GPU; the engine would run float32 (the policy's dtype): set "
+                              "model.policy.dtype bfloat16, or model.rollout.vllm_kwargs {dtype: bfloat16}")
         self.tokenizer = tokenizer
         self.model_path = str(model_path)
         kwargs: dict[str, Any] = dict(
@@ -222,7 +228,8 @@ class VLLMEngine(RolloutEngine):
                 self.llm = LLM(**kwargs)
         except (ValidationError, TypeError) as e:  # vLLM's checks of its arguments (vllm_kwargs among them)
             raise ConfigError(f"model.rollout.vllm_kwargs: vLLM refused the engine's arguments: {joined(e)}") from None
-        except (RuntimeError, ValueError) as e:  # a model vLLM cannot run here (architecture, head size, memory)
+        except (RuntimeError, ValueError, AssertionError) as e:  # a model vLLM cannot run here (architecture, head
+            # size, memory; its kernels' own checks are asserts)
             raise ConfigError(f"model.rollout.engine vllm: vLLM could not start an engine for {self.model_path}: "
                               f"{type(e).__name__}: {joined(e)}") from None
         self.max_model_len = kwargs["max_model_len"]  # a prompt and its completion fit it (check_context)
