@@ -398,3 +398,27 @@ def test_an_engine_built_for_another_device_without_a_process_group_generates_as
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"local_rank": 1, "equal": True, "left": []}
+
+
+def test_fused_projections_that_do_not_split_evenly_over_tensor_parallel_gpus_are_refused():
+    """With fewer key/value heads than tensor_parallel_size vLLM replicates them: each GPU's qkv_proj then holds
+    q/tp plus whole k and v heads, and the even-split views would write the wrong rows (silently, the row counts
+    still dividing by tp). Here two "GPUs" over q 8 rows and one KV head of 2 rows: 4 + 2 + 2 rows each, not 6."""
+    from esrl.rollout.vllm_worker import _esrl_build_views
+
+    hf = [("layers.0.self_attn.q_proj.weight", (8, 4)), ("layers.0.self_attn.k_proj.weight", (2, 4)),
+          ("layers.0.self_attn.v_proj.weight", (2, 4))]
+
+    def worker(rows: int) -> torch.nn.Module:
+        """A tensor-parallel worker's model as vLLM lays it out: q, k and v fused into qkv_proj, this GPU's rows."""
+        model = torch.nn.Module()
+        model.layers = torch.nn.ModuleList([torch.nn.Module()])
+        model.layers[0].self_attn = torch.nn.Module()
+        model.layers[0].self_attn.qkv_proj = torch.nn.Linear(4, rows, bias=False)
+        model.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+        return model
+
+    views = _esrl_build_views(worker(6), hf, tp_rank=1, tp=2)  # an even split: q 4, k 1, v 1 rows on this GPU
+    assert [v.shape[0] for v, _ in views.values()] == [4, 1, 1]
+    with pytest.raises(RuntimeError, match="holds 8 rows on each of 2 tensor-parallel GPUs, not an even split"):
+        _esrl_build_views(worker(8), hf, tp_rank=1, tp=2)

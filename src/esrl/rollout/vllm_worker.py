@@ -165,6 +165,12 @@ def _esrl_build_views(model: torch.nn.Module, hf_params, tp_rank: int, tp: int) 
             raise RuntimeError(f"esrl: the HF parameter {name!r} has no counterpart in the vLLM model "
                                f"(looked for {target!r})")
         data = vparams[target].data
+        if fused and all(s in hf_shape for s in siblings):  # the parts split evenly over tp, or the views are wrong
+            even = sum(hf_shape[s][0] for s in siblings) // tp
+            if data.shape[0] != even:
+                raise RuntimeError(f"esrl: {target} holds {data.shape[0]} rows on each of {tp} tensor-parallel GPUs, "
+                                   f"not an even split of its parts' ({even}): vLLM replicates key/value heads when "
+                                   "a model has fewer than tensor_parallel_size; use a smaller tensor_parallel_size")
         if fused:  # column-parallel: each rank holds rows/tp of every part
             rows = shape[0] // tp
             if rows * tp != shape[0]:
