@@ -88,9 +88,9 @@ def test_micro_batches_follow_lightnings_accumulation_windows(grpo_config, tmp_p
     module, made, steps = cli.model, [], []
     make_rollout, training_step = module.make_rollout, module.training_step
 
-    def recording(rows, micro_batch):
+    def recording(rows, micro_batch, *sampled):
         made.append((module.global_step, micro_batch, [row["question"] for row in rows]))
-        return make_rollout(rows, micro_batch)
+        return make_rollout(rows, micro_batch, *sampled)
 
     def stepping(batch, batch_idx):
         steps.append((module.global_step, batch_idx, [row["question"] for row in batch["rows"]]))
@@ -205,3 +205,31 @@ def test_the_evaluation_kl_reads_grpos_reference_not_a_second_copy(tiny_model, t
         done.stdout[-2000:] + done.stderr[-3000:]
     evals = [json.loads(line) for line in next(tmp_path.rglob("eval.jsonl")).read_text().splitlines()]
     assert evals[0]["kl"] == 0.0 and evals[-1]["kl"] > 0.0
+
+
+def test_a_sleeping_engine_sleeps_once_a_window_after_all_its_samples(grpo_config, tmp_path, monkeypatch):
+    """rollout.vllm_sleep (vLLM on a GPU only, so a fake here: the HF engine declaring `sleeps` and recording its
+    calls): a window of 2 micro-batches (kept for num_iterations 2 steps) samples both, then sleeps once, before any
+    log-probs. Each micro-batch's
+    sample once slept and the next woke the engine: a weights offload and reload per micro-batch."""
+    from esrl.cli import EsrlCLI
+    from esrl.data import PromptDataModule
+    from esrl.module_factory import build_module
+    from esrl.rollout import EngineCapabilities, HFEngine
+
+    calls = []
+    generate = HFEngine.generate
+    monkeypatch.setattr(HFEngine, "capabilities", property(lambda self: EngineCapabilities(
+        shares_policy_weights=True, row_adapters=False, sleeps=True)))
+    monkeypatch.setattr(HFEngine, "sleep", lambda self: calls.append("sleep"))
+    monkeypatch.setattr(HFEngine, "generate", lambda self, *a, **k: calls.append(
+        "sample" if not k.get("greedy", True) else "eval") or generate(self, *a, **k))
+    cli = EsrlCLI(build_module, PromptDataModule, run=False, args=[
+        "--config", str(grpo_config), "--algo", "grpo", "--trainer.accumulate_grad_batches", "2",
+        "--data.prompts_per_step", "1", "--trainer.max_steps", "4", "--trainer.default_root_dir", str(tmp_path)])
+    logps = cli.model.reference_logps
+    monkeypatch.setattr(cli.model, "reference_logps", lambda *a: calls.append("logps") or logps(*a))
+    cli.trainer.fit(cli.model, cli.datamodule)
+    trained = [c for c in calls if c != "eval"]
+    window = ["sample", "sample", "sleep"] + ["logps"] * 2 * (cli.model.grpo.beta > 0)
+    assert trained == window * 2, calls

@@ -216,25 +216,32 @@ class GRPOModule(PolicyModule):
                               "batches holding the whole window's prompts (esrl.data.PromptDataModule serves them); "
                               f"got a batch of {len(rows)} prompts for {batch.get('micro_batches', 1)} micro-batches")
         size = len(rows) // accumulate
-        self._rollouts[first:] = [self.make_rollout(rows[k * size:(k + 1) * size], k)
-                                  for k in range(first, accumulate)]
+        parts = {k: rows[k * size:(k + 1) * size] for k in range(first, accumulate)}
+        sampled = {k: self.sample(part, k) for k, part in parts.items()}
+        if self.engine.capabilities.sleeps:  # rollout.vllm_sleep: once a window; its memory goes to logps and steps
+            self.engine.sleep()
+        self._rollouts[first:] = [self.make_rollout(part, k, sampled[k]) for k, part in parts.items()]
         if self.grpo.loss_type in GLOBAL_TOKEN_LOSSES:  # TRL's num_items_in_batch: each count is all-reduced
             self._num_items = torch.stack([r.num_tokens for r in self._rollouts[first:]]).sum()
 
+    def sample(self, rows: list[dict[str, Any]], micro_batch: int) -> list[Completion]:
+        """G completions per prompt, seeded by (run seed, step, micro-batch, rank) alone."""
+        cfg = self.rollout_config
+        with self.timed("rollout"):
+            return self.engine.generate(
+                self.task.prompts(rows), max_new_tokens=cfg.max_new_tokens, greedy=False, temperature=cfg.temperature,
+                top_p=cfg.top_p, stop=self.stop_strings(), num_return_sequences=self.grpo.num_generations,
+                seed=sampling_seed(self.run_seed, self.global_step, micro_batch, world_info(self)[0]))
+
     @torch.no_grad()
-    def make_rollout(self, rows: list[dict[str, Any]], micro_batch: int) -> RolloutBatch:
-        """Sample G completions per prompt, score them, and compute what the loss needs from them."""
+    def make_rollout(self, rows: list[dict[str, Any]], micro_batch: int,
+                     completions: list[Completion] | None = None) -> RolloutBatch:
+        """Score a micro-batch's completions (sampled here unless given) and compute what the loss needs."""
         G = self.grpo.num_generations
         cfg = self.rollout_config
         prompts = self.task.prompts(rows)
-        rank, _ = world_info(self)
-        with self.timed("rollout"):
-            completions = self.engine.generate(
-                prompts, max_new_tokens=cfg.max_new_tokens, greedy=False, temperature=cfg.temperature,
-                top_p=cfg.top_p, stop=self.stop_strings(), num_return_sequences=G,
-                seed=sampling_seed(self.run_seed, self.global_step, micro_batch, rank))
-            if self.engine.capabilities.sleeps:  # rollout.vllm_sleep: its GPU memory goes to the backward and step
-                self.engine.sleep()
+        if completions is None:
+            completions = self.sample(rows, micro_batch)
         with self.timed("reward"):
             repeated = [row for row in rows for _ in range(G)]
             rewards = self.task.rewards(repeated, [c.text for c in completions])
