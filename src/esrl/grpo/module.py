@@ -168,7 +168,6 @@ class GRPOModule(PolicyModule):
         """The configured seed, else the run's seed_everything value (Lightning exports it)."""
         return self.seed_or_global(self.grpo.seed)
 
-
     def frozen_base(self) -> torch.nn.Module | None:
         return self.reference.model if self.reference is not None else None
 
