@@ -86,17 +86,17 @@ def test_micro_batches_follow_lightnings_accumulation_windows(grpo_config, tmp_p
         "--config", str(grpo_config), "--algo", "grpo", "--trainer.accumulate_grad_batches", "2",
         "--data.prompts_per_step", "1", "--trainer.max_steps", "4", "--trainer.default_root_dir", str(tmp_path)])
     module, made, steps = cli.model, [], []
-    make_rollout, training_step = module.make_rollout, module.training_step
+    sample, training_step = module.sample, module.training_step
 
-    def recording(rows, micro_batch, *sampled):
+    def recording(rows, micro_batch):
         made.append((module.global_step, micro_batch, [row["question"] for row in rows]))
-        return make_rollout(rows, micro_batch, *sampled)
+        return sample(rows, micro_batch)
 
     def stepping(batch, batch_idx):
         steps.append((module.global_step, batch_idx, [row["question"] for row in batch["rows"]]))
         return training_step(batch, batch_idx)
 
-    monkeypatch.setattr(module, "make_rollout", recording)
+    monkeypatch.setattr(module, "sample", recording)
     monkeypatch.setattr(module, "training_step", stepping)
     cli.trainer.fit(module, cli.datamodule)
     assert cli.trainer.global_step == 4

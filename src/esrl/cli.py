@@ -181,7 +181,7 @@ LIGHTNING_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.pytorch
                      "lightning.fabric.utilities.distributed")
 
 
-def no_tips(record: logging.LogRecord) -> bool:
+def not_lightning_noise(record: logging.LogRecord) -> bool:
     """Lightning's log lines that say nothing to an esrl user, or the wrong thing (LIGHTNING_NOISE)."""
     return not LIGHTNING_NOISE.search(record.getMessage())
 
@@ -202,7 +202,7 @@ def main(args: list[str] | None = None) -> None:
     # ES steps its optimizer by hand; the checkpoint after the step is the one it resumes from (esrl.resume)
     warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization")
     for name in LIGHTNING_LOGGERS:
-        logging.getLogger(name).addFilter(no_tips)
+        logging.getLogger(name).addFilter(not_lightning_noise)
     # argv is sys.argv's own (attach_negative_numbers may have joined a flag and its value): not a mistake
     warnings.filterwarnings("ignore", message=r".*LightningCLI's args parameter is intended to run from within")
     try:

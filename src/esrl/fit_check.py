@@ -24,9 +24,20 @@ class _Checked(Exception):
     """The command line passed every check before the Trainer: stop there."""
 
 
-def check_fit_args(runs: Sequence[tuple[str, list[str]]]) -> None:
+def check_fit_args(runs: Sequence[tuple[str, list[str]]], defer: bool = False) -> EsrlError | None:
     """Each (run name, `esrl fit` arguments after `fit`) checked; the first refused raises ConfigError naming the run
-    and esrl's own message. ES's notes on GRPO settings it replaces are the fit's to print, not printed here."""
+    and esrl's own message, or with `defer` returns it (a dry run prints its plan first: planned where the runs will
+    not run, a laptop without their GPUs, say). ES's notes on GRPO settings it replaces are the fit's to print."""
+    try:
+        _check(runs)
+    except EsrlError as e:
+        if not defer:
+            raise
+        return e
+    return None
+
+
+def _check(runs: Sequence[tuple[str, list[str]]]) -> None:
     if not runs:
         return
     from esrl.cli import EsrlCLI, attach_negative_numbers

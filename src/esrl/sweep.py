@@ -246,12 +246,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     problem = None
     if not args.summarize:
         check_config(args.config, grid)
-        try:  # every run's values as its fit checks them (esrl.fit_check): one line before any run starts
-            check_fit_args([(run_name(c), fit_args(args.config, c, out / run_name(c), extra)) for c in todo])
-        except EsrlError as e:
-            if not args.dry_run:
-                raise
-            problem = e  # a dry run prints its plan first (planned where the runs will not run, say)
+        # every run's values as its fit checks them (esrl.fit_check): one line before any run starts
+        runs = [(run_name(c), fit_args(args.config, c, out / run_name(c), extra)) for c in todo]
+        problem = check_fit_args(runs, defer=args.dry_run)
     if args.dry_run:
         for combo in todo:
             print(" ".join(fit_command(args.config, combo, out / run_name(combo), extra)))

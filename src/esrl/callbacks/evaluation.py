@@ -138,9 +138,10 @@ class Evaluation(L.Callback):
         from esrl.rollout import render_prompts
 
         base = module.frozen_base()  # GRPO's reference: no second copy of the model on the device
-        if base is None and self._base is None:
-            self._base = load_causal_lm(module.model_path, module.policy_config.dtype).to(module.device)
-        base = base if base is not None else self._base
+        if base is None:
+            if self._base is None:
+                self._base = load_causal_lm(module.model_path, module.policy_config.dtype).to(module.device)
+            base = self._base
         tok = module.tokenizer
         prompts = render_prompts(tok, module.task.prompts(rows))
         total, tokens = 0.0, 0

@@ -219,7 +219,7 @@ class GRPOModule(PolicyModule):
         sampled = {k: self.sample(part, k) for k, part in parts.items()}
         if self.engine.capabilities.sleeps:  # rollout.vllm_sleep: once a window; its memory goes to logps and steps
             self.engine.sleep()
-        self._rollouts[first:] = [self.make_rollout(part, k, sampled[k]) for k, part in parts.items()]
+        self._rollouts[first:] = [self.make_rollout(part, sampled[k]) for k, part in parts.items()]
         if self.grpo.loss_type in GLOBAL_TOKEN_LOSSES:  # TRL's num_items_in_batch: each count is all-reduced
             self._num_items = torch.stack([r.num_tokens for r in self._rollouts[first:]]).sum()
 
@@ -233,14 +233,11 @@ class GRPOModule(PolicyModule):
                 seed=sampling_seed(self.run_seed, self.global_step, micro_batch, world_info(self)[0]))
 
     @torch.no_grad()
-    def make_rollout(self, rows: list[dict[str, Any]], micro_batch: int,
-                     completions: list[Completion] | None = None) -> RolloutBatch:
-        """Score a micro-batch's completions (sampled here unless given) and compute what the loss needs."""
+    def make_rollout(self, rows: list[dict[str, Any]], completions: list[Completion]) -> RolloutBatch:
+        """Score a micro-batch's sampled completions and compute what the loss needs from them."""
         G = self.grpo.num_generations
         cfg = self.rollout_config
         prompts = self.task.prompts(rows)
-        if completions is None:
-            completions = self.sample(rows, micro_batch)
         with self.timed("reward"):
             repeated = [row for row in rows for _ in range(G)]
             rewards = self.task.rewards(repeated, [c.text for c in completions])

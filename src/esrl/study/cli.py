@@ -76,15 +76,10 @@ def _main(argv: list[str] | None) -> Any:
     problem = None
     if not (args.report or args.summarize):
         # Every run still to do as its fit checks it (esrl.fit_check), before the first starts: a bad grid value
-        # is one line naming its run, not a fit.log after the runs before it. A dry run prints its plan first
-        # (planned where the runs will not run: a laptop without the GPUs, say).
-        try:
-            check_fit_args([(run.name, ["--config", yaml.safe_dump(resolved_config(study, run), sort_keys=False)])
-                            for run in todo if status(run) != "done"])
-        except EsrlError as e:
-            if not args.dry_run:
-                raise
-            problem = e
+        # is one line naming its run, not a fit.log after the runs before it.
+        problem = check_fit_args([(run.name, ["--config", yaml.safe_dump(resolved_config(study, run),
+                                                                           sort_keys=False)])
+                                  for run in todo if status(run) != "done"], defer=args.dry_run)
     if args.dry_run:
         for run in todo:
             print(f"{run.name} ({status(run)}): {fit_line(study, run)}")
