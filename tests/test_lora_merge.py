@@ -1,0 +1,48 @@
+"""The final save of a LoRA policy: the merged weights of PEFT's merge_and_unload, merged in CPU memory."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from esrl.models import load_causal_lm, load_tokenizer
+from esrl.models.lora import GRPO_FIELDS, LoraOptions, merged_state_dict, save_final, wrap_lora
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_merged_weights_equal_peft_merge_and_unload_and_leave_the_policy_as_it_was(tiny_model, tmp_path,
+                                                                                    dtype):
+    """Bit for bit PEFT's merge (its delta added in W's dtype: bf16 weights here get fp32 adapters, as
+    AdapterSlots' callers do); the embeddings and lm_head (tied in this model) stay one saved tensor; the policy
+    keeps its adapter and weights; no second model on the policy's device (the reason for merging layer by layer:
+    a CPU cannot show the device memory, so the test checks what it returns, on the CPU)."""
+    policy = wrap_lora(load_causal_lm(tiny_model, dtype), LoraOptions(rank=4, alpha=8.0, layers="1"), 0,
+                       GRPO_FIELDS)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if ".lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=generator).to(torch.float32))
+                p.data = p.data.float()  # fp32 adapter on a bf16 base: the sum promotes, then rounds to W's dtype
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    reference = copy.deepcopy(policy).merge_and_unload().state_dict()
+
+    merged = merged_state_dict(policy)
+    assert merged.keys() == reference.keys()
+    for key, tensor in reference.items():
+        assert merged[key].device.type == "cpu" and merged[key].dtype == tensor.dtype, key
+        assert torch.equal(merged[key], tensor), key
+    assert not torch.equal(merged["model.layers.1.self_attn.q_proj.weight"],
+                           before["base_model.model.model.layers.1.self_attn.q_proj.base_layer.weight"])
+    assert torch.equal(merged["model.layers.0.self_attn.q_proj.weight"],
+                       before["base_model.model.model.layers.0.self_attn.q_proj.weight"])  # layer 0 has no adapter
+    assert merged["lm_head.weight"] is merged["model.embed_tokens.weight"]  # tied: one tensor, saved once
+    after = policy.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+
+    out = save_final(policy, load_tokenizer(tiny_model), tmp_path / "final")
+    loaded = load_causal_lm(str(out), dtype).state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in reference.items())
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
