@@ -78,7 +78,8 @@ class PolicyModule(L.LightningModule):
             return
         self.tokenizer = load_tokenizer(self.model_path)
         self.policy = load_causal_lm(self.model_path, self.policy_config.dtype)
-        self.engine = build_engine(self.rollout_config, self.policy, self.tokenizer, adapters=self.engine_adapters())
+        self.engine = build_engine(self.rollout_config, self.policy, self.tokenizer, adapters=self.engine_adapters(),
+                                   compute_dtype=autocast_dtype(self._trainer))
 
     def report_compiles(self) -> float:
         """Print each newly compiled decode shape once, with its first call's time; the seconds added since the
@@ -217,3 +218,8 @@ def world_info(module: L.LightningModule) -> tuple[int, int]:
     return trainer.global_rank, trainer.world_size
 
 
+def autocast_dtype(trainer: L.Trainer | None) -> torch.dtype | None:
+    """The dtype a Lightning mixed-precision forward runs in (trainer.precision 'bf16-mixed' or '16-mixed'), else
+    None: an engine with its own weights then runs in the policy's dtype."""
+    precision = str(trainer.precision) if trainer is not None else ""
+    return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)

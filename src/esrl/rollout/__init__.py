@@ -1,5 +1,7 @@
 """Generation engines behind one interface (esrl.rollout.base.RolloutEngine)."""
 
+import torch
+
 from esrl.rollout.base import (AdapterSpec, Completion, EngineCapabilities, RolloutConfig, RolloutEngine,
                                RowWeights)
 from esrl.rollout.hf import HFEngine
@@ -18,16 +20,19 @@ def engine_capabilities(config: RolloutConfig, adapters: AdapterSpec | None = No
     raise ValueError(f"rollout.engine: unknown engine {config.engine!r}")
 
 
-def build_engine(config: RolloutConfig, model, tokenizer, adapters: AdapterSpec | None = None) -> RolloutEngine:
+def build_engine(config: RolloutConfig, model, tokenizer, adapters: AdapterSpec | None = None,
+                 compute_dtype: torch.dtype | None = None) -> RolloutEngine:
     """The configured engine. `adapters`: the row adapters it must be able to run (engines whose capabilities
-    say row_adapters); engines that share the policy's weights need none and ignore it."""
+    say row_adapters); engines that share the policy's weights need none and ignore it. `compute_dtype`: the dtype
+    the policy's forward runs in where that is not its weights' (mixed precision: fp32 weights, a bf16 forward); an
+    engine with its own copy of the weights (vLLM) runs in it, else in the weights' dtype."""
     if config.engine == "hf":
         return HFEngine(model, tokenizer, max_batch_size=config.max_batch_size, compile=config.compile,
                         prompt_bucket=config.prompt_bucket)
     if config.engine == "vllm":  # imported lazily: vllm is an optional dependency
         from esrl.rollout.vllm import VLLMEngine
 
-        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        dtype = str(compute_dtype or next(model.parameters()).dtype).removeprefix("torch.")
         return VLLMEngine(model.name_or_path, tokenizer, config, dtype=dtype, hf_model=model, adapters=adapters)
     raise ValueError(f"rollout.engine: unknown engine {config.engine!r}")
 

@@ -190,8 +190,9 @@ class VLLMEngine(RolloutEngine):
         if adapters is not None and str(engine_dtype).removeprefix("torch.") == "float32" \
                 and torch.cuda.is_available():  # vLLM's CUDA LoRA kernels assert half precision, at start
             raise ConfigError(f"model.rollout.engine vllm: {adapters.field} needs LoRA, which vLLM runs in float16 or "
-                              "bfloat16 on a GPU; the engine would run float32 (the policy's dtype): set "
-                              "model.policy.dtype bfloat16, or model.rollout.vllm_kwargs {dtype: bfloat16}")
+                              "bfloat16 on a GPU; the engine would run float32 (the policy's dtype, with no mixed "
+                              "precision): set trainer.precision bf16-mixed, model.policy.dtype bfloat16, or "
+                              "model.rollout.vllm_kwargs {dtype: bfloat16}")
         self.tokenizer = tokenizer
         self.model_path = str(model_path)
         kwargs: dict[str, Any] = dict(
