@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,26 @@ def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), f"tensor {k} differs (max abs diff {(a[k] - b[k]).abs().max():.3g})"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def loaded(score_models):
+    """The reward and cost models (ScoreModel), loaded once for the module."""
+    from esrl.scoring.score_model import ScoreModel
+
+    return ScoreModel(score_models[0], device="cpu", batch_size=3), ScoreModel(score_models[1], device="cpu")
+
+
+@pytest.fixture(scope="module")
+def scorer(loaded):
+    """The Safe-RLHF reward and cost models as one ScoreModelScorer."""
+    from esrl.scoring.score_model import ScoreModelScorer
+
+    return ScoreModelScorer(*loaded)

@@ -23,8 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import run_esrl
-from test_scoring import free_port
+from conftest import free_port, run_esrl
 from esrl.elo.cache import JudgmentCache
 from esrl.elo.cli import parser, run
 from esrl.elo.files import line_up

@@ -16,8 +16,8 @@ import httpx
 import pytest
 import torch
 import yaml
-from conftest import ESRL, FIXTURES, ROOT, assert_same_tensors, fit_final, load_safetensors, run_esrl
-from test_scoring import free_port
+from conftest import (ESRL, FIXTURES, ROOT, assert_same_tensors, fit_final, free_port, load_safetensors,
+                      run_esrl)
 
 pytestmark = pytest.mark.slow
 

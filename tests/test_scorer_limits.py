@@ -10,6 +10,7 @@ import socket
 import stat
 
 import pytest
+from conftest import free_port
 from esrl.errors import ConfigError
 from esrl.scoring.base import Scorer
 from esrl.scoring.token import ENV, ENV_FILE, client_token, server_token
@@ -20,13 +21,6 @@ class Constant(Scorer):
 
     def _score(self, prompts, responses):
         return [1.0] * len(prompts), [0.0] * len(prompts)
-
-
-def free_port() -> int:
-    """A port serve-scorer can bind (its port check binds it before the models load; port 1 needs root)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

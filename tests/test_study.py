@@ -93,7 +93,6 @@ def test_report_numbers_are_the_runs_own(study):
 
 
 def test_weight_analyses_match_the_final_weights(study, tiny_model):
-    import torch
 
     from esrl.models import load_causal_lm
 
