@@ -132,9 +132,11 @@ class Interruption(L.Callback):
         if self._saved_at != trainer.global_step:  # a stop that came another way than on_train_batch_end
             self._save(trainer, pl_module)
 
-    def on_fit_end(self, trainer, pl_module) -> None:
-        """The run finished: its interrupted.ckpt is spent (a restarted job must not resume from it)."""
-        if trainer.is_global_zero:
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        """The run finished: its interrupted.ckpt is spent (a restarted job must not resume from it). Not at
+        on_fit_end, which Lightning calls on callbacks before the module's, where final/ is written: a run whose
+        final save failed keeps its checkpoint (teardown hooks run only after a fit that ended without an error)."""
+        if stage == "fit" and trainer.is_global_zero:
             (pl_module.run_dir() / "checkpoints" / CHECKPOINT).unlink(missing_ok=True)
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:

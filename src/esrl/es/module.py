@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from esrl.errors import ConfigError
+from esrl.errors import ConfigError, DataError
 from esrl.es.config import ESConfig
 from esrl.es.engines import es_backend
 from esrl.es.fingerprint import weights_fingerprint
@@ -120,9 +120,9 @@ class ESModule(PolicyModule):
     def member_fitness(self, rows: list[dict[str, Any]], member, stop: list[str]) -> torch.Tensor:
         """member_scores of one member on the iteration's prompts; weights are restored however it ends."""
         prompts = self.task.prompts(rows)
-        with self.timed("noise"):
-            self.backend.perturb(member)
-        try:
+        try:  # a perturbation that fails part way (an OOM drawing a tensor's noise, an engine's load) is restored too
+            with self.timed("noise"):
+                self.backend.perturb(member)
             with self.timed("rollout"):
                 completions = self.engine.generate(prompts, max_new_tokens=self.rollout_config.max_new_tokens,
                                                    greedy=True, stop=stop)
@@ -168,25 +168,22 @@ class ESModule(PolicyModule):
             self.backend.free()
             # grad = -g, then ONE step through Lightning's optimizer (its precision and strategy plugins see
             # it; SGD lr=alpha: theta += alpha g); the engine then sees the updated policy.
+            alpha = opt.optimizer.param_groups[0]["lr"]  # model.es.alpha (ES takes no --lr_scheduler)
             es_step(opt.optimizer, self.selection, members, shaped, self.noise_spec, step=opt.step,
                     iteration=iteration)
+            if self.trainer.is_global_zero:  # recorded with the update itself: a checkpoint saved if anything after
+                self._append_seed_log(iteration, members, shaped, alpha)  # fails holds one record per update
             self.backend.after_update()
-            scheduler = self.lr_schedulers()
-            if scheduler is not None:
-                scheduler.step()
         if self.es.checksum_every and world > 1 and (iteration + 1) % self.es.checksum_every == 0:
             with self.timed("sync"):
                 self.check_drift()
 
-        alpha = opt.optimizer.param_groups[0]["lr"]
         extra = {"train/bad_rewards": bad}  # members left out of the update for a NaN/inf reward
         if self.constraint is not None:  # every rank holds all members' costs: lambda stays equal across ranks
             extra.update(self.adapt_lambda(float(scores[:, 2].sum()), len(members)))
             extra.update({"train/raw_reward_mean": float(scores[:, 1].mean()),
                           "train/safe_frac": float(scores[:, 3].mean())})
         self._log_iteration(fitness, shaped, alpha, time.perf_counter() - start, extra)
-        if self.trainer.is_global_zero:
-            self._append_seed_log(iteration, members, shaped, alpha)
 
     def check_drift(self) -> None:
         sums = self.trainer.strategy.gather_all(weights_checksum(self.selection.params))
@@ -238,3 +235,8 @@ class ESModule(PolicyModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
         self.seed_log_records = list(checkpoint.get("esrl_es", {}).get("seed_log", []))
+        updates = checkpoint.get("global_step", len(self.seed_log_records))
+        if len(self.seed_log_records) != updates:  # its seed log could not rebuild its weights (esrl export)
+            raise DataError(f"--ckpt_path {self.trainer.ckpt_path}: {updates} ES updates but "
+                            f"{len(self.seed_log_records)} seed-log records (saved mid-iteration): resume from an "
+                            "earlier checkpoint")

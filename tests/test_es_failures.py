@@ -1,0 +1,100 @@
+"""ES runs that fail part way: the weights are never left perturbed, a checkpoint never holds an update its seed log
+lacks, and a run whose final save fails keeps its interrupted.ckpt."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from conftest import FIXTURES
+
+
+def _fit(tiny_model, root, steps: int = 2, callbacks=(), mode: str = "full", ckpt_path=None):
+    """An in-process ES fit on the tiny model (4 members, 1 prompt a step); the module, however the fit ended."""
+    from esrl.data import PromptDataModule
+    from esrl.es.config import ESConfig
+    from esrl.es.module import ESModule
+    from esrl.policy import PolicyConfig
+    from esrl.rollout import RolloutConfig
+
+    module = ESModule(PolicyConfig(name_or_path=tiny_model), RolloutConfig(max_new_tokens=4),
+                      ESConfig(population_size=4, sigma=0.05, alpha=0.01, seed=1, mode=mode))
+    data = PromptDataModule("conciseness", {"train_path": str(FIXTURES / "conciseness_train3.jsonl"),
+                                            "eval_path": str(FIXTURES / "conciseness_eval2.jsonl")},
+                            prompts_per_step=1, shuffle=False)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, enable_progress_bar=False,
+                        enable_model_summary=False, logger=False, default_root_dir=root, limit_val_batches=0,
+                        callbacks=list(callbacks), enable_checkpointing=any(isinstance(c, ModelCheckpoint)
+                                                                             for c in callbacks))
+    try:
+        trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    except RuntimeError as e:
+        module.error = e
+    return module
+
+
+class FailAt(L.Callback):
+    """Makes `target(module)`'s `name` raise once trainer.global_step reaches `step` (`when(*args)` narrows the
+    calls; an iteration's update counts its step before the calls after it)."""
+
+    def __init__(self, target, name: str, step: int, when=lambda *a: True):
+        self.target, self.name, self.step, self.when = target, name, step, when
+
+    def on_train_start(self, trainer, module):
+        obj = self.target(module)
+        method = getattr(obj, self.name)
+
+        def failing(*args, **kwargs):
+            if trainer.global_step >= self.step and self.when(*args):
+                raise RuntimeError(f"{self.name} failed (injected)")
+            return method(*args, **kwargs)
+
+        setattr(obj, self.name, failing)
+
+
+def test_a_perturbation_that_fails_part_way_is_restored(tiny_model, tmp_path):
+    """Full mode writes a member's noise tensor by tensor: a failure at the third (a CUDA OOM drawing its noise)
+    left the first two perturbed, with nothing to restore them, for Lightning's on_exception hooks and any
+    checkpoint saved there. The weights after the failed fit are the base model's, bit for bit."""
+    from esrl.models import load_causal_lm
+
+    module = _fit(tiny_model, tmp_path, callbacks=[FailAt(lambda m: m.backend.perturber.mode, "direction", 0,
+                                                          when=lambda seed, j, *a: j == 2)])
+    assert "direction failed" in str(module.error)
+    assert not module.backend.is_perturbed
+    base = dict(load_causal_lm(tiny_model).named_parameters())
+    assert all(torch.equal(p, base[n]) for n, p in module.policy.named_parameters())
+
+
+def test_a_checkpoint_saved_when_a_step_fails_after_its_update_holds_that_update_in_its_seed_log(tiny_model,
+                                                                                                   tmp_path):
+    """The update of iteration 1 applied, then the engine's sync after it failed: Lightning's save_on_exception
+    checkpoint once held 2 updates and 1 seed-log record, a log `esrl export` could not finish. Its records now
+    match its updates; a checkpoint that lacks one is refused in one line on resume."""
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_on_exception=True, every_n_train_steps=100)
+    module = _fit(tiny_model, tmp_path, steps=3, callbacks=[saver, FailAt(lambda m: m.backend, "after_update", 2)])
+    assert "after_update failed" in str(module.error)
+    (saved,) = (tmp_path / "ckpt").glob("*.ckpt")
+    ckpt = torch.load(saved, map_location="cpu", weights_only=False)
+    assert ckpt["global_step"] == 2 and [r["t"] for r in ckpt["esrl_es"]["seed_log"]] == [0, 1]
+
+    ckpt["esrl_es"]["seed_log"].pop()
+    torch.save(ckpt, tmp_path / "torn.ckpt")
+    with pytest.raises(Exception, match=r"2 ES updates but 1 seed-log records \(saved mid-iteration\)"):
+        _fit(tiny_model, tmp_path / "resumed", steps=3, ckpt_path=str(tmp_path / "torn.ckpt"))
+
+
+def test_a_run_whose_final_save_fails_keeps_its_interrupted_checkpoint(tiny_model, tmp_path):
+    """interrupted.ckpt was deleted at the callbacks' on_fit_end, before the module's wrote final/: a final save
+    that failed (a full disk) left neither. It goes only after a fit that ended without an error."""
+    from esrl.callbacks import Interruption
+
+    spent = tmp_path / "checkpoints" / "interrupted.ckpt"
+    spent.parent.mkdir(parents=True)
+    spent.write_bytes(b"resumable")
+    module = _fit(tiny_model, tmp_path, steps=1, callbacks=[Interruption(), FailAt(lambda m: m.mode, "save_final", 0)])
+    assert "save_final failed" in str(module.error) and spent.is_file()
+    _fit(tiny_model, tmp_path, steps=1, callbacks=[Interruption()])
+    assert not spent.exists() and (tmp_path / "final" / "model.safetensors").is_file()
