@@ -43,6 +43,7 @@ class HFEngine(RolloutEngine):
         (its CUDA graph recording included on GPUs); a decoder made anew after a hook or weight change logs again."""
         self.max_shapes = 4
         self._decoders: dict[DecodeKey, StaticDecoder] = {}  # the recorded decode steps, least recently used first
+        self.eos_token_ids = end_token_ids(model, tokenizer)
 
     def compile_times(self) -> list[tuple[tuple[int, int, int], float]]:
         return list(self.compile_log)
@@ -109,7 +110,7 @@ class HFEngine(RolloutEngine):
                 del self._decoders[k]
             while len(self._decoders) >= (self.max_shapes if recorded else 1):
                 del self._decoders[next(iter(self._decoders))]  # least recently used
-            decoder = StaticDecoder(self.model, key, eos_token_ids=[self.tokenizer.eos_token_id],
+            decoder = StaticDecoder(self.model, key, eos_token_ids=self.eos_token_ids,
                                     pad_token_id=self.tokenizer.pad_token_id,
                                     attention=rollout_attention, fuse=self.compile == "fused")
         self._decoders[key] = decoder
@@ -151,7 +152,7 @@ class HFEngine(RolloutEngine):
     def _hf_generate(self, enc, max_new_tokens, greedy, temperature, top_p, stop, n, min_new_tokens) -> list:
         tok = self.tokenizer
         kwargs = dict(max_new_tokens=max_new_tokens, num_return_sequences=n, pad_token_id=tok.pad_token_id,
-                      eos_token_id=tok.eos_token_id)
+                      eos_token_id=self.eos_token_ids)
         if min_new_tokens:
             kwargs["min_new_tokens"] = min_new_tokens
         if greedy:
@@ -168,9 +169,10 @@ class HFEngine(RolloutEngine):
         """One row's completion, the same from both paths: generate pads a row after its stop string (with EOS
         when pad is EOS), the static decoder keeps decoding it, so a stop string before the first EOS wins."""
         tok = self.tokenizer
-        ended = tok.eos_token_id in ids
+        end = next((i for i, t in enumerate(ids) if t in self.eos_token_ids), None)
+        ended = end is not None
         if ended:
-            ids = ids[: ids.index(tok.eos_token_id) + 1]
+            ids = ids[:end + 1]
         elif tok.pad_token_id is not None and tok.pad_token_id in ids:  # generate ended it by a stop string
             ids = ids[: ids.index(tok.pad_token_id)]
         if stop:
@@ -180,6 +182,14 @@ class HFEngine(RolloutEngine):
         text = tok.decode(ids, skip_special_tokens=True)
         text, stopped = cut_at_stop(text, stop)
         return Completion(text=text, token_ids=ids, truncated=not (ended or stopped) and len(ids) >= max_new_tokens)
+
+
+def end_token_ids(model, tokenizer) -> list[int]:
+    """The tokens that end a completion: the tokenizer's EOS and every one the model's generation config declares
+    (Qwen2.5-Instruct: <|im_end|> and <|endoftext|>), as TRL's GRPOTrainer and vLLM stop on."""
+    declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    declared = [] if declared is None else [declared] if isinstance(declared, int) else list(declared)
+    return list(dict.fromkeys([tokenizer.eos_token_id, *declared]))
 
 
 def first_stop_prefix(tokenizer, ids: list[int], stop: Sequence[str]) -> list[int]:
