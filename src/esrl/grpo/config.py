@@ -18,7 +18,7 @@ from esrl.grpo.reductions import LOSS_TYPES
 from esrl.rollout.base import EngineCapabilities
 
 SCALE_REWARDS = ("group", "batch", "none")
-LR_SCHEDULERS = ("linear", "constant")
+LR_SCHEDULERS = ("linear", "constant", "constant_with_warmup")
 
 
 @dataclass
@@ -103,11 +103,13 @@ class GRPOConfig:
     """AdamW beta2."""
     adam_epsilon: float = 1e-8
     """AdamW epsilon."""
-    lr_scheduler: Literal["linear", "constant"] = "linear"
-    """Learning-rate schedule of the default optimizer: `linear` decay to 0 at the last step after warmup (TRL
-    default) or `constant`. Ignored when `--lr_scheduler` is given."""
+    lr_scheduler: Literal["linear", "constant", "constant_with_warmup"] = "linear"
+    """Learning-rate schedule of the default optimizer, transformers' of the same name: `linear` decay to 0 at the
+    last step after warmup (TRL default), `constant` (no warmup), or `constant_with_warmup`. Ignored when
+    `--optimizer` or `--lr_scheduler` is given (the CLI's schedule, or none, replaces it)."""
     warmup_ratio: float = 0.0
-    """Fraction of the training steps with linear warmup from 0 (TRL default 0)."""
+    """Fraction of the training steps with linear warmup from 0 (TRL default 0), for `linear` and
+    `constant_with_warmup`; `constant` takes none (refused, where transformers ignores it)."""
     max_grad_norm: float | None = 1.0
     """Gradient-norm clipping (TRL default 1.0), applied as `trainer.gradient_clip_val` when the trainer sets
     none; the trainer's value wins. With DeepSpeed set `trainer.gradient_clip_val` itself. None: no
@@ -167,6 +169,9 @@ class GRPOConfig:
                 f"unknown {self.lr_scheduler!r}; choose one of {', '.join(LR_SCHEDULERS)}")
         require(0 <= self.warmup_ratio < 1, "model.grpo.warmup_ratio",
                 f"must be in [0, 1), got {self.warmup_ratio}")
+        require(self.lr_scheduler != "constant" or self.warmup_ratio == 0, "model.grpo.warmup_ratio",
+                f"{self.warmup_ratio} with lr_scheduler constant, which has no warmup (transformers ignores it): "
+                "use lr_scheduler constant_with_warmup")
         require(self.max_grad_norm is None or self.max_grad_norm > 0, "model.grpo.max_grad_norm",
                 f"must be > 0 or null, got {self.max_grad_norm}")
         if self.lora is not None:

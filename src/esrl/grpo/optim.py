@@ -21,9 +21,10 @@ def default_adamw(named_params: Iterable[tuple[str, torch.nn.Parameter]], cfg: G
 
 def default_schedule(optimizer: torch.optim.Optimizer, cfg: GRPOConfig,
                      total_steps: float) -> torch.optim.lr_scheduler.LambdaLR | None:
-    """Linear warmup, then linear decay to 0 (or constant), per optimizer step, as transformers'
-    get_linear_schedule_with_warmup; None when the lr never changes or the run has no known length."""
-    if not math.isfinite(total_steps) or (cfg.lr_scheduler == "constant" and cfg.warmup_ratio == 0):
+    """transformers' schedule of cfg.lr_scheduler's name, per optimizer step: linear warmup, then linear decay to 0
+    (get_linear_schedule_with_warmup) or constant (get_constant_schedule_with_warmup); None when the lr never
+    changes (`constant`) or the run has no known length."""
+    if not math.isfinite(total_steps) or cfg.lr_scheduler == "constant":
         return None
     total = max(1, int(total_steps))
     warmup = math.ceil(cfg.warmup_ratio * total)
