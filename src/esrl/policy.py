@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from statistics import fmean
+from types import SimpleNamespace
 from typing import Any, Iterator, Sequence
 
 import lightning as L
@@ -123,10 +124,18 @@ class PolicyModule(L.LightningModule):
                                     top_p=self.rollout_config.top_p, stop=self.stop_strings(),
                                     num_return_sequences=n, seed=seed)
 
+    def reward_context(self) -> dict[str, Any]:
+        """What TRL hands its reward functions besides the data: trainer_state (global_step, max_steps, epoch, the
+        fields of transformers' TrainerState a reward schedule reads)."""
+        state = SimpleNamespace(global_step=self.global_step, max_steps=self.trainer.max_steps,
+                                epoch=self.current_epoch)
+        return {"trainer_state": state}
+
     def score_rows(self, rows: Sequence[dict[str, Any]], completions) -> dict[str, list[float]]:
         """Per-sample task reward and metrics of completions (one per row)."""
         texts = [c.text for c in completions]
-        values = {"reward": self.task.rewards(rows, texts)}
+        values = {"reward": self.task.rewards(rows, texts, [c.token_ids for c in completions],
+                                              **self.reward_context())}
         values.update(self.task.metrics(rows, texts))
         values["completion_tokens"] = [float(len(c.token_ids)) for c in completions]
         values["truncated"] = [float(c.truncated) for c in completions]

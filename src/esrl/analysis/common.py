@@ -156,7 +156,7 @@ class RewardEvaluator:
         """Per-sample reward and task metrics; completions are row-major with n per row."""
         rows = [r for r in self.rows for _ in range(n)]
         texts = [c.text for c in completions]
-        values = {"reward": self.task.rewards(rows, texts)}
+        values = {"reward": self.task.rewards(rows, texts, [c.token_ids for c in completions])}
         values.update(self.task.metrics(rows, texts))
         return values
 

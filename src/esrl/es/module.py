@@ -19,7 +19,7 @@ from esrl.es.setup import build_optimizer, build_policy, build_selection
 from esrl.es.shaping import shape_fitness
 from esrl.es.update import es_step, weights_checksum
 from esrl.policy import PolicyConfig, PolicyModule, world_info
-from esrl.rollout import AdapterSpec, RolloutConfig, engine_capabilities
+from esrl.rollout import AdapterSpec, Completion, RolloutConfig, engine_capabilities
 from esrl.tasks.reward_values import check_bad_rewards
 
 
@@ -82,11 +82,13 @@ class ESModule(PolicyModule):
         """Members per batched generate: rollout.max_batch_size // prompts (at least 1); never the world size."""
         return max(1, self.rollout_config.max_batch_size // max(1, n_prompts))
 
-    def member_scores(self, rows: list[dict[str, Any]], texts: list[str], n_members: int) -> torch.Tensor:
+    def member_scores(self, rows: list[dict[str, Any]], completions: list[Completion],
+                      n_members: int) -> torch.Tensor:
         """(n_members, 4): each member's fitness (mean task reward) and, for tasks with a cost, its mean raw
-        reward, mean cost and safe fraction (cost <= 0). Texts are member-major, len(rows) per member."""
+        reward, mean cost and safe fraction (cost <= 0). Completions are member-major, len(rows) per member."""
         with self.timed("reward"):
-            rewards = self.task.rewards([r for _ in range(n_members) for r in rows], texts)
+            rewards = self.task.rewards([r for _ in range(n_members) for r in rows], [c.text for c in completions],
+                                        [c.token_ids for c in completions], **self.reward_context())
         self._bad_sources.update(self.task.last_bad)
         scores = torch.zeros(n_members, 4, dtype=torch.float64)
         scores[:, 0] = torch.tensor(rewards, dtype=torch.float64).view(n_members, -1).mean(1)
@@ -110,7 +112,7 @@ class ESModule(PolicyModule):
             completions = self.engine.generate_population(prompts, len(chunk), self.backend.row_weights(chunk),
                                                           max_new_tokens=self.rollout_config.max_new_tokens,
                                                           stop=stop)[:real]
-        return self.member_scores(rows, [c.text for cs in completions for c in cs], real)
+        return self.member_scores(rows, [c for cs in completions for c in cs], real)
 
     @property
     def noise_seed(self) -> int:
@@ -126,7 +128,7 @@ class ESModule(PolicyModule):
             with self.timed("rollout"):
                 completions = self.engine.generate(prompts, max_new_tokens=self.rollout_config.max_new_tokens,
                                                    greedy=True, stop=stop)
-            scores = self.member_scores(rows, [c.text for c in completions], 1)[0]
+            scores = self.member_scores(rows, completions, 1)[0]
         finally:
             with self.timed("noise"):
                 self.backend.restore()

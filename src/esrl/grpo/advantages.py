@@ -20,11 +20,12 @@ def nanstd(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> to
 
 
 def group_advantages(rewards: torch.Tensor, num_generations: int, scale: RewardScale = "group",
-                     eps: float = 1e-4) -> torch.Tensor:
+                     eps: float = 1e-4, batch_std: torch.Tensor | None = None) -> torch.Tensor:
     """A_i = r_i - mean(group), divided by (std + eps) unless scale == "none".
 
     rewards is flat, [B * G], the G completions of one prompt contiguous (TRL's layout). As in TRL:
-    "group" uses each group's std, "batch" the std of the whole batch (the baseline stays the group mean),
+    "group" uses each group's std, "batch" the std of the whole batch (the baseline stays the group mean;
+    `batch_std`: that of a larger batch these rewards are part of, TRL's generation batch over processes),
     the std is the unbiased one (like torch.std), eps is 1e-4, and NaN rewards (unscorable completions) are
     left out of mean and std and get advantage 0. A group of equal rewards gets zeros, not NaN.
     """
@@ -38,7 +39,10 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale: RewardS
             std = torch.zeros_like(rewards)
         advantages = advantages / (std + eps)
     elif scale == "batch":
-        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+        if batch_std is not None:
+            std = torch.as_tensor(batch_std, dtype=rewards.dtype).expand_as(rewards)
+        else:
+            std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
         advantages = advantages / (std + eps)
     elif scale != "none":
         raise ValueError(f"unknown reward scale {scale!r}; expected 'group', 'batch' or 'none'")

@@ -39,7 +39,7 @@ from esrl.grpo.loss import GLOBAL_TOKEN_LOSSES, GRPOLoss
 from esrl.grpo.optim import default_adamw, default_schedule
 from esrl.grpo.reference import FrozenReference
 from esrl.grpo.rollout_batch import RolloutBatch, rollout_tensors
-from esrl.grpo.step_metrics import rank_reduction
+from esrl.grpo.step_metrics import rank_reduction, window_metrics
 from esrl.models.loading import load_causal_lm
 from esrl.models.logps import per_token_logps
 from esrl.models.lora import GRPO_FIELDS, is_peft, policy_adapter, wrap_lora
@@ -87,6 +87,7 @@ class GRPOModule(PolicyModule):
         self._rollouts: list[RolloutBatch] = []  # this optimizer step's micro-batches, reused for mu steps
         self._step_start = 0.0
         self._step_costs: list[float] = []  # costs of this optimizer step's rollouts (tasks with a cost)
+        self._window_log: list[tuple[RolloutBatch, dict[str, torch.Tensor]]] = []  # logged once the window closes
 
     # -- models ----------------------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -186,6 +187,7 @@ class GRPOModule(PolicyModule):
         micro_batch = batch_idx % accumulate
         if micro_batch == 0:
             self._step_loss = 0.0
+            self._window_log = []
         # DeepSpeed: Lightning calls optimizer_step and on_before_optimizer_step every micro-batch; steps on the last
         self._closes_window = micro_batch == accumulate - 1 or batch_idx + 1 == self.trainer.num_training_batches
         window_start = micro_batch == 0 and self.global_step % self.grpo.num_iterations == 0
@@ -219,7 +221,13 @@ class GRPOModule(PolicyModule):
         sampled = {k: self.sample(part, k) for k, part in parts.items()}
         if self.engine.capabilities.sleeps:  # rollout.vllm_sleep: once a window; its memory goes to logps and steps
             self.engine.sleep()
-        self._rollouts[first:] = [self.make_rollout(part, sampled[k]) for k, part in parts.items()]
+        scored = {k: self.score(part, sampled[k]) for k, part in parts.items()}
+        batch_std = None  # scale_rewards batch: the std of the whole window's rewards on every process, as TRL's
+        if self.grpo.scale_rewards == "batch":  # generation batch (a run resumed mid-window: the rest of it)
+            batch_std = nanstd(self.all_gather(torch.cat([r for r, _ in scored.values()]).to(self.device))
+                               .flatten().float().cpu())
+        self._rollouts[first:] = [self.make_rollout(part, sampled[k], *scored[k], batch_std)
+                                  for k, part in parts.items()]
         if self.grpo.loss_type in GLOBAL_TOKEN_LOSSES:  # TRL's num_items_in_batch: each count is all-reduced
             self._num_items = torch.stack([r.num_tokens for r in self._rollouts[first:]]).sum()
 
@@ -232,22 +240,30 @@ class GRPOModule(PolicyModule):
                 top_p=cfg.top_p, stop=self.stop_strings(), num_return_sequences=self.grpo.num_generations,
                 seed=sampling_seed(self.run_seed, self.global_step, micro_batch, world_info(self)[0]))
 
+    def score(self, rows: list[dict[str, Any]], completions: list[Completion]) -> tuple[torch.Tensor, int]:
+        """A micro-batch's rewards, checked (NaN: left out of its group), and how many of its completions no reward
+        function applied to (NaN too, as TRL's unscorable completions, but no failure)."""
+        with self.timed("reward"):
+            repeated = [row for row in rows for _ in range(self.grpo.num_generations)]
+            rewards = self.task.rewards(repeated, [c.text for c in completions], [c.token_ids for c in completions],
+                                        unscorable=math.nan, **self.reward_context())
+        unscorable = self.task.last_unscorable
+        if self.constraint is not None:  # per-sample reward - lambda * cost; the costs adapt lambda after the step
+            self._step_costs.extend(self.constraint.last_costs)
+        return self.checked_rewards(torch.tensor(rewards, dtype=torch.float32), unscorable), unscorable
+
     @torch.no_grad()
-    def make_rollout(self, rows: list[dict[str, Any]], completions: list[Completion]) -> RolloutBatch:
-        """Score a micro-batch's sampled completions and compute what the loss needs from them."""
+    def make_rollout(self, rows: list[dict[str, Any]], completions: list[Completion], rewards: torch.Tensor,
+                     unscorable: int = 0, batch_std: torch.Tensor | None = None) -> RolloutBatch:
+        """What the loss needs from a micro-batch's scored completions."""
         G = self.grpo.num_generations
         cfg = self.rollout_config
         prompts = self.task.prompts(rows)
-        with self.timed("reward"):
-            repeated = [row for row in rows for _ in range(G)]
-            rewards = self.task.rewards(repeated, [c.text for c in completions])
-        if self.constraint is not None:  # per-sample reward - lambda * cost; the costs adapt lambda after the step
-            self._step_costs.extend(self.constraint.last_costs)
-        rewards = self.checked_rewards(torch.tensor(rewards, dtype=torch.float32))
-        advantages = group_advantages(rewards, G, self.grpo.scale_rewards)
+        advantages = group_advantages(rewards, G, self.grpo.scale_rewards, batch_std=batch_std)
 
         rollout = rollout_tensors(self.tokenizer, render_prompts(self.tokenizer, prompts), completions, rewards,
                                   advantages, self.grpo.mask_truncated_completions, self.device)
+        rollout.unscorable = unscorable
         if self.grpo.loss_type in GLOBAL_TOKEN_LOSSES:  # TRL's num_items_in_batch: loss tokens over all ranks
             rollout.num_tokens = self.trainer.strategy.reduce(rollout.completion_mask.sum().float(), reduce_op="sum")
         with self.timed("logps"):
@@ -284,11 +300,13 @@ class GRPOModule(PolicyModule):
         with self.policy.disable_adapter():
             return per_token_logps(self.policy, input_ids, attention_mask, width, temperature)
 
-    def checked_rewards(self, rewards: torch.Tensor) -> torch.Tensor:
+    def checked_rewards(self, rewards: torch.Tensor, unscorable: int = 0) -> torch.Tensor:
         """Every non-finite reward as NaN (a float32 overflow included): left out of its group's mean and std,
-        advantage 0. Too many in this micro-batch, on any rank, stop the run (esrl.tasks.reward_values)."""
+        advantage 0. Too many in this micro-batch, on any rank, stop the run (esrl.tasks.reward_values); the
+        `unscorable` NaNs (no reward function applied) are no failures and count on neither side."""
         rewards = torch.where(torch.isfinite(rewards), rewards, torch.nan)
-        local = torch.tensor([float(rewards.isnan().sum()), rewards.numel()], dtype=torch.float64)
+        local = torch.tensor([float(rewards.isnan().sum()) - unscorable, rewards.numel() - unscorable],
+                             dtype=torch.float64)
         total = self.trainer.strategy.reduce(local.to(self.device), reduce_op="sum").cpu()
         check_bad_rewards(int(total[0]), int(total[1]), step=self.global_step, unit="GRPO samples",
                           sources=self.task.last_bad)
@@ -296,30 +314,21 @@ class GRPOModule(PolicyModule):
 
     # -- logging ---------------------------------------------------------------------------------------------
     def _log_step(self, rollout: RolloutBatch, stats: dict[str, torch.Tensor]) -> None:
-        G = self.grpo.num_generations
-        r, adv, lengths = rollout.rewards, rollout.advantages.float().cpu(), rollout.lengths.float()
-        group_std = nanstd(r.view(-1, G), dim=1)
-        finite = r[~r.isnan()]  # empty on a rank whose samples all failed while the others' kept the step usable
-        metrics = {
-            "train/reward_mean": r.nanmean(), "train/reward_std": group_std.nanmean(),
-            # empty: the identities of the min and max over ranks (rank_reduction), so the others' values stand
-            "train/reward_min": finite.min() if finite.numel() else math.inf,
-            "train/reward_max": finite.max() if finite.numel() else -math.inf,
-            "train/frac_reward_zero_std": (group_std < 1e-6).float().mean(),
-            "train/bad_rewards": r.isnan().sum(),  # samples left out of the advantages for a NaN/inf reward
-            "train/advantage_abs_mean": adv.abs().mean(), "train/advantage_std": adv.std(unbiased=False),
-            "train/advantage_min": adv.min(), "train/advantage_max": adv.max(),
-            "train/completion_length_mean": lengths.mean(), "train/completion_length_min": lengths.min(),
-            "train/completion_length_max": lengths.max(),
-            "train/truncated_frac": rollout.truncated.float().mean(),
-            "train/lr": self.trainer.optimizers[0].param_groups[0]["lr"],
-        }
-        metrics.update({f"train/{k}": v for k, v in {**stats, **rollout.is_stats}.items()})
-        batch_size = r.numel()
+        """Keep a micro-batch's rollout and loss stats; at its window's last, log the optimizer step's metrics over
+        all of them, as TRL over its generation batch (Lightning logs one value a step, the last it was given).
+        Loss stats: their micro-batches' mean (min, max for .../min, .../max), as TRL averages them."""
+        self._window_log.append((rollout, stats))
+        if not self._closes_window:
+            return
+        rollouts, window_stats = zip(*self._window_log)
+        self._window_log = []
+        metrics = window_metrics(rollouts, window_stats, self.grpo.num_generations)
+        metrics["train/lr"] = self.trainer.optimizers[0].param_groups[0]["lr"]
+        batch_size = sum(x.rewards.numel() for x in rollouts)
         for reduce_fx in ("mean", "min", "max", "sum"):  # over ranks, as TRL: min of mins, max of maxes, means
             self.log_dict({k: float(v) for k, v in metrics.items() if rank_reduction(k) == reduce_fx}, on_step=True,
                           on_epoch=False, sync_dist=True, reduce_fx=reduce_fx, batch_size=batch_size)
-        self.log("reward", float(r.nanmean()), prog_bar=True, on_step=True, on_epoch=False, logger=False,
+        self.log("reward", float(metrics["train/reward_mean"]), prog_bar=True, on_step=True, on_epoch=False, logger=False,
                  batch_size=batch_size)
 
     def on_before_optimizer_step(self, optimizer) -> None:

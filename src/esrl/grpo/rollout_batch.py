@@ -30,6 +30,7 @@ class RolloutBatch:
     is_ratio: torch.Tensor | None = None  # [B*G, T] or [B*G, 1], vLLM importance-sampling correction only
     num_tokens: torch.Tensor | None = None  # loss tokens of this micro-batch on all ranks (dapo, cispo, vespo)
     is_stats: dict[str, torch.Tensor] = field(default_factory=dict)  # TRL's sampling/* metrics
+    unscorable: int = 0  # completions no reward function applied to (NaN rewards that are not failures)
 
     @property
     def completion_width(self) -> int:

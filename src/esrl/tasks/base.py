@@ -43,6 +43,8 @@ class Task:
     prompt_fn: Callable[[dict[str, Any]], Prompt] | None = None
     # reward function name -> how many non-finite values it gave in the last `rewards` call (for error messages).
     last_bad: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
+    # how many completions of the last `rewards` call no reward function applied to (all returned None).
+    last_unscorable: int = field(default=0, repr=False, compare=False)
 
     def prompt(self, row: dict[str, Any]) -> Prompt:
         if self.prompt_fn is not None:
@@ -62,24 +64,36 @@ class Task:
         keys = [k for k in rows[0] if k not in ("prompt", "completion", "prompts", "completions")] if rows else []
         return {k: [r.get(k) for r in rows] for k in keys}
 
-    def rewards(self, rows: Sequence[dict[str, Any]], texts: Sequence[str]) -> list[float]:
-        """Weighted sum of the reward functions; None (not applicable) counts as 0, as in TRL. A non-number is a
-        RewardError naming the function; a non-finite total is NaN, and `last_bad` says which function gave it
-        (the policy: esrl.tasks.reward_values)."""
+    def rewards(self, rows: Sequence[dict[str, Any]], texts: Sequence[str],
+                completion_ids: Sequence[Sequence[int]] | None = None, unscorable: float = 0.0,
+                **context: Any) -> list[float]:
+        """Weighted sum of the reward functions, each called as TRL calls it: prompts, completions, the rows'
+        columns, `completion_ids` (the completions' tokens, where the caller has them) and `context` (the trainer's:
+        trainer_state). None means a function does not apply to a completion and adds nothing; a completion no
+        function applies to is `unscorable` (0 by default; GRPO passes NaN, which leaves it out of its group, as
+        TRL), counted in `last_unscorable`. A non-number is a RewardError naming the function; a non-finite total
+        is NaN, and `last_bad` says which function gave it (the policy: esrl.tasks.reward_values)."""
         prompts = self.prompts(rows)
         completions = self.as_completions(prompts, texts)
-        columns = self._columns(rows)
+        kwargs = {**self._columns(rows), **context}
+        if completion_ids is not None:
+            kwargs["completion_ids"] = [list(ids) for ids in completion_ids]
         weights = self.reward_weights or [1.0] * len(self.reward_funcs)
         total = [0.0] * len(texts)
+        scored = [False] * len(texts)
         self.last_bad = {}
         for w, f in zip(weights, self.reward_funcs):
             name = reward_name(f)
-            values = reward_floats(name, f(prompts=prompts, completions=completions, **columns), len(texts))
+            raw = f(prompts=prompts, completions=completions, **kwargs)
+            values = reward_floats(name, raw, len(texts))  # a sequence of len(texts) from here on
+            scored = [s or v is not None for s, v in zip(scored, raw)]
             bad = sum(math.isnan(v) for v in values)
             if bad:
                 self.last_bad[name] = self.last_bad.get(name, 0) + bad
             total = [t + w * v for t, v in zip(total, values)]
-        return [t if math.isfinite(t) else math.nan for t in total]
+        self.last_unscorable = scored.count(False) if self.reward_funcs else 0
+        return [(t if math.isfinite(t) else math.nan) if s or not self.reward_funcs else unscorable
+                for t, s in zip(total, scored)]
 
     def metrics(self, rows: Sequence[dict[str, Any]], texts: Sequence[str]) -> dict[str, list[float]]:
         """Per-sample values of each evaluation metric (averaged by the caller)."""

@@ -1,0 +1,114 @@
+"""A GRPO optimizer step over several micro-batches (trainer.accumulate_grad_batches): its metrics, its batch-scaled
+advantages and its unscorable completions, as TRL computes them over its whole generation batch."""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+
+from conftest import FIXTURES
+from esrl.grpo import group_advantages
+from esrl.tasks.base import completion_text
+
+pytestmark = pytest.mark.slow
+G = 4
+
+
+def _fit(tiny_model, root, reward, scale_rewards: str = "group"):
+    """One optimizer step of 2 micro-batches of 1 prompt (the conciseness fixture's first two) x G completions,
+    the task's reward replaced by `reward`; the module and its metrics.csv row."""
+    from esrl.callbacks import Evaluation
+    from esrl.data import PromptDataModule
+    from esrl.grpo.config import GRPOConfig
+    from esrl.grpo.module import GRPOModule
+    from esrl.policy import PolicyConfig
+    from esrl.rollout import RolloutConfig
+
+    class Reward(L.Callback):
+        def on_fit_start(self, trainer, module):
+            trainer.datamodule.task.reward_funcs = [reward]
+
+    module = GRPOModule(PolicyConfig(name_or_path=tiny_model), RolloutConfig(max_new_tokens=6, temperature=1.0),
+                        GRPOConfig(num_generations=G, seed=1, scale_rewards=scale_rewards))
+    data = PromptDataModule("conciseness", {"train_path": str(FIXTURES / "conciseness_train3.jsonl"),
+                                            "eval_path": str(FIXTURES / "conciseness_eval2.jsonl")},
+                            prompts_per_step=1, shuffle=False)
+    L.Trainer(accelerator="cpu", devices=1, max_steps=1, accumulate_grad_batches=2, enable_progress_bar=False,
+              enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0, default_root_dir=root,
+              logger=CSVLogger(root, name="", version=""), log_every_n_steps=1,
+              callbacks=[Reward(), Evaluation(before=False, after=False)]).fit(module, datamodule=data)
+    with open(root / "metrics.csv") as f:
+        (row,) = [r for r in csv.DictReader(f) if r.get("train/reward_mean")]
+    return module, {k: float(v) for k, v in row.items() if v}
+
+
+def _first_answer():
+    import json
+
+    return json.loads((FIXTURES / "conciseness_train3.jsonl").read_text().splitlines()[0])["answer"]
+
+
+def test_step_metrics_cover_every_micro_batch_of_the_step(tiny_model, tmp_path):
+    """Reward 1 on the first micro-batch's prompt, 0 on the second's: the step's mean is 0.5 (Lightning kept the
+    last micro-batch's 0 before), its std TRL's over all 8 rewards, each group's std 0."""
+    first = _first_answer()
+    module, row = _fit(tiny_model, tmp_path, lambda prompts, completions, answer, **_: [
+        float(a == first) for a in answer])
+    rewards = torch.cat([r.rewards for r in module._rollouts])
+    assert rewards.tolist() == [1.0] * G + [0.0] * G
+    assert row["train/reward_mean"] == 0.5
+    assert math.isclose(row["train/reward_std"], float(rewards.std()), rel_tol=1e-6)
+    assert row["train/reward_group_std"] == 0.0 and row["train/frac_reward_zero_std"] == 1.0
+    assert row["train/unscorable"] == 0 and row["train/bad_rewards"] == 0
+
+
+def test_batch_scaled_advantages_take_the_std_of_the_whole_step(tiny_model, tmp_path):
+    """scale_rewards batch, the two prompts' rewards on scales 1 and 10: each micro-batch's advantages are divided
+    by the std of all 8 rewards, as TRL's over its generation batch, not by its own micro-batch's."""
+    first = _first_answer()
+    module, _ = _fit(tiny_model, tmp_path, lambda prompts, completions, answer, **_: [
+        (1.0 if a == first else 10.0) * len(completion_text(c)) for a, c in zip(answer, completions)], "batch")
+    rewards = torch.cat([r.rewards for r in module._rollouts])
+    assert rewards[:G].std() > 0 and rewards[G:].std() > 0  # sampled completions of different lengths
+    window = group_advantages(rewards, G, "batch")
+    assert torch.allclose(torch.cat([r.advantages for r in module._rollouts]), window, atol=1e-6, rtol=0)
+    assert not torch.allclose(module._rollouts[0].advantages, group_advantages(rewards[:G], G, "batch"))
+
+
+def test_completions_no_reward_function_applies_to_are_left_out_without_stopping_the_run(tiny_model, tmp_path):
+    """TRL's unscorable completions (every reward function returned None): NaN, out of their group's mean and
+    std, advantage 0, counted apart from failed rewards. Half the step's samples here: as failures they would
+    stop the run (more than the allowed share); as 0 they would get an advantage of their own."""
+    first = _first_answer()
+    module, row = _fit(tiny_model, tmp_path, lambda prompts, completions, answer, **_: [
+        float(len(completion_text(c))) if a == first else None for a, c in zip(answer, completions)])
+    second = module._rollouts[1]
+    assert second.rewards.isnan().all() and (second.advantages == 0).all() and second.unscorable == G
+    first_rollout = module._rollouts[0]
+    assert torch.equal(first_rollout.advantages, group_advantages(first_rollout.rewards, G))
+    assert row["train/unscorable"] == G and row["train/bad_rewards"] == 0
+    assert row["train/reward_mean"] == float(first_rollout.rewards.mean())
+
+
+def test_a_task_scores_an_unscorable_completion_0_unless_asked(tiny_model):
+    """ES and evaluation keep TRL's None-as-nothing sum, 0 for a completion no function applies to; GRPO asks for
+    NaN. Each function gets the completions' token ids and the caller's context (TRL's completion_ids, trainer_state)."""
+    from esrl.tasks.base import Task
+
+    seen = {}
+
+    def half(prompts, completions, completion_ids, trainer_state, **_):
+        seen.update(ids=completion_ids, step=trainer_state)
+        return [None, 2.0, None]
+
+    task = Task("t", [], [], reward_funcs=[half, lambda prompts, completions, **_: [None, None, 1.0]])
+    rows = [{"prompt": "a"}, {"prompt": "b"}, {"prompt": "c"}]
+    assert task.rewards(rows, ["x", "y", "z"], [[1], [2, 3], [4]], trainer_state=7) == [0.0, 2.0, 1.0]
+    assert task.last_unscorable == 1 and seen == {"ids": [[1], [2, 3], [4]], "step": 7}
+    got = task.rewards(rows, ["x", "y", "z"], [[1], [2, 3], [4]], unscorable=math.nan, trainer_state=7)
+    assert math.isnan(got[0]) and got[1:] == [2.0, 1.0]
