@@ -112,3 +112,36 @@ def test_a_task_scores_an_unscorable_completion_0_unless_asked(tiny_model):
     assert task.last_unscorable == 1 and seen == {"ids": [[1], [2, 3], [4]], "step": 7}
     got = task.rewards(rows, ["x", "y", "z"], [[1], [2, 3], [4]], unscorable=math.nan, trainer_state=7)
     assert math.isnan(got[0]) and got[1:] == [2.0, 1.0]
+
+
+def test_entropies_are_trls_and_the_step_logs_trls_other_metrics(tiny_model, tmp_path):
+    """Entropies of the logits that score the completions (temperature applied), as TRL's entropy_from_logits;
+    the step logs their token mean as train/entropy, each reward function's mean and std as
+    train/rewards/<name>/*, and the lengths of the completions that ended."""
+    from trl.trainer.utils import entropy_from_logits
+
+    from esrl.models import load_causal_lm
+    from esrl.models.logps import per_token_logps
+
+    model = load_causal_lm(tiny_model)
+    ids = torch.randint(0, 1000, (3, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, -2:] = 0  # a padded completion end
+    logps, entropies = per_token_logps(model, ids, mask, 5, 0.7, with_entropies=True)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, -6:-1].float() / 0.7
+    assert torch.equal(logps, per_token_logps(model, ids, mask, 5, 0.7))
+    assert torch.allclose(entropies[mask[:, -5:] == 1], entropy_from_logits(logits)[mask[:, -5:] == 1], atol=1e-5)
+    assert (entropies[0, -2:] == 0).all()
+
+    def length(prompts, completions, **_):
+        return [float(len(completion_text(c))) for c in completions]
+
+    module, row = _fit(tiny_model, tmp_path, length)
+    rewards = torch.cat([r.rewards for r in module._rollouts])
+    assert math.isclose(row["train/rewards/length/mean"], float(rewards.mean()), rel_tol=1e-6)
+    assert math.isclose(row["train/rewards/length/std"], float(rewards.std()), rel_tol=1e-5)
+    assert 0 < row["train/entropy"] < math.log(len(module.tokenizer))
+    lengths = torch.cat([r.lengths for r in module._rollouts]).float()
+    ended = lengths[~torch.cat([r.truncated for r in module._rollouts])]
+    assert row["train/terminated_length_mean"] == (float(ended.mean()) if ended.numel() else 0.0)

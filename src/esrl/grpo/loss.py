@@ -63,19 +63,31 @@ class GRPOLoss(nn.Module):
         self.vespo_params = dict(k_pos=vespo_k_pos, lambda_pos=vespo_lambda_pos, k_neg=vespo_k_neg,
                                  lambda_neg=vespo_lambda_neg)
 
+    @classmethod
+    def from_config(cls, cfg, max_completion_length: int) -> GRPOLoss:
+        """The loss a GRPOConfig (model.grpo) describes, from its fields of the same names."""
+        return cls(beta=cfg.beta, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high, loss_type=cfg.loss_type,
+                   max_completion_length=max_completion_length, use_bias_correction_kl=cfg.use_bias_correction_kl,
+                   delta=cfg.delta, importance_sampling_level=cfg.importance_sampling_level,
+                   sapo_temperature_neg=cfg.sapo_temperature_neg, sapo_temperature_pos=cfg.sapo_temperature_pos,
+                   vespo_k_pos=cfg.vespo_k_pos, vespo_lambda_pos=cfg.vespo_lambda_pos, vespo_k_neg=cfg.vespo_k_neg,
+                   vespo_lambda_neg=cfg.vespo_lambda_neg)
+
     def forward(self, per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor | None,
                 advantages: torch.Tensor, completion_mask: torch.Tensor,
                 ref_per_token_logps: torch.Tensor | None = None,
                 num_items_in_batch: torch.Tensor | float | None = None, num_processes: int = 1,
                 accumulate_grad_batches: int = 1, importance_sampling_ratio: torch.Tensor | None = None,
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                entropies: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Logps and mask are [B, T], advantages [B] or [B, T]. Old logps None means on-policy (as in TRL:
         the ratio is 1 but still carries the gradient). num_items_in_batch: active tokens of the whole
         generation batch (all micro-batches of the optimizer step, all processes; dapo, cispo and vespo
         divide by it, see esrl.grpo.reductions). importance_sampling_ratio: the vLLM correction
         (esrl.grpo.importance), [B, T] or [B, 1]; multiplies the per-token loss, or enters vespo's weight.
+        entropies: the policy's per-token entropies [B, T] (esrl.models.logps), a metric only.
 
-        Returns the scalar loss and detached stats named like TRL's metrics: kl (beta != 0 only; the mean
+        Returns the scalar loss and detached stats named like TRL's metrics: entropy (given entropies: their token
+        mean over the mask); kl (beta != 0 only; the mean
         bias-corrected per-token KL); clipped losses: clip_ratio/{low,high,region}_mean (token means),
         clip_ratio/low_min and clip_ratio/high_max (over per-sequence means); cispo: cispo_clip_ratio; vespo:
         vespo/phi_seq_mean.
@@ -116,7 +128,10 @@ class GRPOLoss(nn.Module):
 
         loss = reduce_loss(per_token_loss, mask, self.loss_type, self.max_completion_length,
                            num_items_in_batch, num_processes, accumulate_grad_batches)
-        return loss, self._stats(coef_1, advantages, mask, per_token_kl, phi)
+        stats = self._stats(coef_1, advantages, mask, per_token_kl, phi)
+        if entropies is not None:
+            stats["entropy"] = ((entropies * mask).sum() / mask.sum().clamp(min=1.0)).detach()
+        return loss, stats
 
     @torch.no_grad()
     def _stats(self, coef_1: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,

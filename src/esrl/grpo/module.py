@@ -38,7 +38,7 @@ from esrl.grpo.importance import importance_sampling_ratio, importance_sampling_
 from esrl.grpo.loss import GLOBAL_TOKEN_LOSSES, GRPOLoss
 from esrl.grpo.optim import default_adamw, default_schedule
 from esrl.grpo.reference import FrozenReference
-from esrl.grpo.rollout_batch import RolloutBatch, rollout_tensors
+from esrl.grpo.rollout_batch import RolloutBatch, Scores, rollout_tensors
 from esrl.grpo.step_metrics import rank_reduction, window_metrics
 from esrl.models.loading import load_causal_lm
 from esrl.models.logps import per_token_logps
@@ -66,15 +66,7 @@ class GRPOModule(PolicyModule):
         self.lr_scheduler_factory = lr_scheduler  # --lr_scheduler: called on the optimizer
         self.grpo.validate()
         self.save_configs(grpo=self.grpo)
-        self.loss_fn = GRPOLoss(beta=self.grpo.beta, epsilon_low=self.grpo.epsilon_low,
-                                epsilon_high=self.grpo.epsilon_high, loss_type=self.grpo.loss_type,
-                                max_completion_length=self.rollout_config.max_new_tokens,
-                                use_bias_correction_kl=self.grpo.use_bias_correction_kl,
-                                delta=self.grpo.delta, importance_sampling_level=self.grpo.importance_sampling_level,
-                                sapo_temperature_neg=self.grpo.sapo_temperature_neg,
-                                sapo_temperature_pos=self.grpo.sapo_temperature_pos,
-                                vespo_k_pos=self.grpo.vespo_k_pos, vespo_lambda_pos=self.grpo.vespo_lambda_pos,
-                                vespo_k_neg=self.grpo.vespo_k_neg, vespo_lambda_neg=self.grpo.vespo_lambda_neg)
+        self.loss_fn = GRPOLoss.from_config(self.grpo, max_completion_length=self.rollout_config.max_new_tokens)
         # vLLM rollouts: reweight by pi_trainer / pi_engine (refused here, before any model loads, if impossible)
         self.importance_sampling = self.grpo.importance_sampling_applies(
             engine_capabilities(self.rollout_config, self.engine_adapters()))
@@ -195,12 +187,12 @@ class GRPOModule(PolicyModule):
             self.roll_out_window(batch, micro_batch)
         rollout = self._rollouts[micro_batch]
 
-        logps = per_token_logps(self.policy, rollout.input_ids, rollout.attention_mask,
-                                rollout.completion_width, temperature=self.rollout_config.temperature)
+        logps, entropies = per_token_logps(self.policy, rollout.input_ids, rollout.attention_mask,
+                                           rollout.completion_width, self.rollout_config.temperature, True)
         loss, stats = self.loss_fn(logps, rollout.old_logps, rollout.advantages, rollout.completion_mask,
-                                   ref_per_token_logps=rollout.ref_logps,
-                                   num_items_in_batch=self._num_items, num_processes=world_info(self)[1],
-                                   accumulate_grad_batches=accumulate, importance_sampling_ratio=rollout.is_ratio)
+                                   ref_per_token_logps=rollout.ref_logps, num_items_in_batch=self._num_items,
+                                   num_processes=world_info(self)[1], accumulate_grad_batches=accumulate,
+                                   importance_sampling_ratio=rollout.is_ratio, entropies=entropies)
         self._step_loss += float(loss.detach()) / accumulate  # Lightning divides the loss by accumulate too
         self._log_step(rollout, stats)
         # DeepSpeed's engine divides by its gradient_accumulation_steps (= A) once more in backward; transformers'
@@ -224,9 +216,9 @@ class GRPOModule(PolicyModule):
         scored = {k: self.score(part, sampled[k]) for k, part in parts.items()}
         batch_std = None  # scale_rewards batch: the std of the whole window's rewards on every process, as TRL's
         if self.grpo.scale_rewards == "batch":  # generation batch (a run resumed mid-window: the rest of it)
-            batch_std = nanstd(self.all_gather(torch.cat([r for r, _ in scored.values()]).to(self.device))
+            batch_std = nanstd(self.all_gather(torch.cat([x.rewards for x in scored.values()]).to(self.device))
                                .flatten().float().cpu())
-        self._rollouts[first:] = [self.make_rollout(part, sampled[k], *scored[k], batch_std)
+        self._rollouts[first:] = [self.make_rollout(part, sampled[k], scored[k], batch_std)
                                   for k, part in parts.items()]
         if self.grpo.loss_type in GLOBAL_TOKEN_LOSSES:  # TRL's num_items_in_batch: each count is all-reduced
             self._num_items = torch.stack([r.num_tokens for r in self._rollouts[first:]]).sum()
@@ -240,9 +232,9 @@ class GRPOModule(PolicyModule):
                 top_p=cfg.top_p, stop=self.stop_strings(), num_return_sequences=self.grpo.num_generations,
                 seed=sampling_seed(self.run_seed, self.global_step, micro_batch, world_info(self)[0]))
 
-    def score(self, rows: list[dict[str, Any]], completions: list[Completion]) -> tuple[torch.Tensor, int]:
-        """A micro-batch's rewards, checked (NaN: left out of its group), and how many of its completions no reward
-        function applied to (NaN too, as TRL's unscorable completions, but no failure)."""
+    def score(self, rows: list[dict[str, Any]], completions: list[Completion]) -> Scores:
+        """A micro-batch's rewards, checked: completions no reward function applied to are NaN, as TRL's
+        unscorable ones, but no failure."""
         with self.timed("reward"):
             repeated = [row for row in rows for _ in range(self.grpo.num_generations)]
             rewards = self.task.rewards(repeated, [c.text for c in completions], [c.token_ids for c in completions],
@@ -250,20 +242,22 @@ class GRPOModule(PolicyModule):
         unscorable = self.task.last_unscorable
         if self.constraint is not None:  # per-sample reward - lambda * cost; the costs adapt lambda after the step
             self._step_costs.extend(self.constraint.last_costs)
-        return self.checked_rewards(torch.tensor(rewards, dtype=torch.float32), unscorable), unscorable
+        return Scores(self.checked_rewards(torch.tensor(rewards, dtype=torch.float32), unscorable), unscorable,
+                      {k: torch.tensor(v) for k, v in self.task.last_per_function.items()})
 
     @torch.no_grad()
-    def make_rollout(self, rows: list[dict[str, Any]], completions: list[Completion], rewards: torch.Tensor,
-                     unscorable: int = 0, batch_std: torch.Tensor | None = None) -> RolloutBatch:
+    def make_rollout(self, rows: list[dict[str, Any]], completions: list[Completion], scores: Scores,
+                     batch_std: torch.Tensor | None = None) -> RolloutBatch:
         """What the loss needs from a micro-batch's scored completions."""
         G = self.grpo.num_generations
         cfg = self.rollout_config
+        rewards = scores.rewards
         prompts = self.task.prompts(rows)
         advantages = group_advantages(rewards, G, self.grpo.scale_rewards, batch_std=batch_std)
 
         rollout = rollout_tensors(self.tokenizer, render_prompts(self.tokenizer, prompts), completions, rewards,
                                   advantages, self.grpo.mask_truncated_completions, self.device)
-        rollout.unscorable = unscorable
+        rollout.unscorable, rollout.rewards_per_function = scores.unscorable, scores.per_function
         if self.grpo.loss_type in GLOBAL_TOKEN_LOSSES:  # TRL's num_items_in_batch: loss tokens over all ranks
             rollout.num_tokens = self.trainer.strategy.reduce(rollout.completion_mask.sum().float(), reduce_op="sum")
         with self.timed("logps"):

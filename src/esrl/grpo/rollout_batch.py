@@ -31,10 +31,21 @@ class RolloutBatch:
     num_tokens: torch.Tensor | None = None  # loss tokens of this micro-batch on all ranks (dapo, cispo, vespo)
     is_stats: dict[str, torch.Tensor] = field(default_factory=dict)  # TRL's sampling/* metrics
     unscorable: int = 0  # completions no reward function applied to (NaN rewards that are not failures)
+    rewards_per_function: dict[str, torch.Tensor] = field(default_factory=dict)  # [B*G] each, NaN where None
 
     @property
     def completion_width(self) -> int:
         return self.completion_mask.shape[1]
+
+
+@dataclass
+class Scores:
+    """A micro-batch's rewards (checked: NaN is out of its group), how many completions no reward function applied
+    to, and each function's own values (NaN where it returned None), for TRL's rewards/<function> metrics."""
+
+    rewards: torch.Tensor
+    unscorable: int = 0
+    per_function: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def rollout_tensors(tokenizer, rendered_prompts: list[str], completions: list[Completion], rewards: torch.Tensor,

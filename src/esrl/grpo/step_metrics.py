@@ -33,6 +33,8 @@ def window_metrics(rollouts: Sequence[RolloutBatch], stats: Sequence[dict[str, t
     r = torch.cat([x.rewards for x in rollouts])
     adv = torch.cat([x.advantages for x in rollouts]).float().cpu()
     lengths = torch.cat([x.lengths for x in rollouts]).float()
+    truncated = torch.cat([x.truncated for x in rollouts]).cpu()
+    ended = lengths[~truncated] if (~truncated).any() else torch.zeros(1)
     unscorable = sum(x.unscorable for x in rollouts)
     group_std = nanstd(r.view(-1, num_generations), dim=1)
     finite = r[~r.isnan()]  # empty on a rank whose samples all failed while the others' kept the step usable
@@ -49,8 +51,14 @@ def window_metrics(rollouts: Sequence[RolloutBatch], stats: Sequence[dict[str, t
         "train/advantage_min": adv.min(), "train/advantage_max": adv.max(),
         "train/completion_length_mean": lengths.mean(), "train/completion_length_min": lengths.min(),
         "train/completion_length_max": lengths.max(),
-        "train/truncated_frac": torch.cat([x.truncated for x in rollouts]).float().mean(),
+        "train/truncated_frac": truncated.float().mean(),
+        # those that ended (an end token or a stop string); 0 when none did, as TRL
+        "train/terminated_length_mean": ended.mean(), "train/terminated_length_min": ended.min(),
+        "train/terminated_length_max": ended.max(),
     }
+    for name in rollouts[0].rewards_per_function:  # TRL's rewards/<function>/mean and /std, None left out
+        values = torch.cat([x.rewards_per_function[name] for x in rollouts]).float()
+        metrics[f"train/rewards/{name}/mean"], metrics[f"train/rewards/{name}/std"] = values.nanmean(), nanstd(values)
     per_micro_batch = [{**s, **x.is_stats} for x, s in zip(rollouts, stats)]
     combine = {"mean": torch.mean, "min": torch.min, "max": torch.max, "sum": torch.sum}
     for key in per_micro_batch[0]:

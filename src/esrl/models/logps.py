@@ -22,13 +22,27 @@ def selective_log_softmax(logits: torch.Tensor, ids: torch.Tensor, temperature: 
     return torch.stack(rows)
 
 
+@torch.no_grad()
+def token_entropies(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) at every position, in float32, one row at a time, without a graph
+    (TRL's entropy_from_logits: a metric, not a loss term)."""
+    rows = []
+    for row_logits in logits:
+        row = row_logits.float() / temperature
+        rows.append(torch.logsumexp(row, dim=-1) - (torch.softmax(row, dim=-1) * row).sum(-1))
+    return torch.stack(rows)
+
+
 def per_token_logps(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    logits_to_keep: int, temperature: float = 1.0) -> torch.Tensor:
+                    logits_to_keep: int, temperature: float = 1.0, with_entropies: bool = False,
+                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs [B, logits_to_keep] of the last logits_to_keep tokens of input_ids (prompt + completion).
 
     The token at position t is scored by the logits at t - 1, so the model returns logits_to_keep + 1
     positions and the last one (predicting past the sequence) is dropped. Padded completion positions
     (attention_mask 0) are 0, as in TRL, whose fused LM head skips them; the loss masks them out anyway.
+    `with_entropies`: also the entropies [B, logits_to_keep] of the same distributions (token_entropies), as TRL's
+    _get_per_token_logps_and_entropies.
     """
     # the kept positions as an index, not transformers' int slice: a contiguous (B, k + 1, hidden) keeps lm_head one GEMM
     # when its weight is frozen (reference model, LoRA); a strided slice it would run per row (1.16-1.25x on the head
@@ -37,4 +51,7 @@ def per_token_logps(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     kept = torch.arange(length - logits_to_keep - 1, length, device=input_ids.device)
     out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=kept)
     logps = selective_log_softmax(out.logits[:, :-1], input_ids[:, -logits_to_keep:], temperature)
-    return logps.masked_fill(attention_mask[:, -logits_to_keep:] == 0, 0.0)
+    padded = attention_mask[:, -logits_to_keep:] == 0
+    if with_entropies:
+        return logps.masked_fill(padded, 0.0), token_entropies(out.logits[:, :-1], temperature).masked_fill(padded, 0.0)
+    return logps.masked_fill(padded, 0.0)

@@ -45,6 +45,8 @@ class Task:
     last_bad: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
     # how many completions of the last `rewards` call no reward function applied to (all returned None).
     last_unscorable: int = field(default=0, repr=False, compare=False)
+    # each reward function's values in the last `rewards` call, NaN where it returned None (TRL's rewards/<name>).
+    last_per_function: dict[str, list[float]] = field(default_factory=dict, repr=False, compare=False)
 
     def prompt(self, row: dict[str, Any]) -> Prompt:
         if self.prompt_fn is not None:
@@ -81,12 +83,13 @@ class Task:
         weights = self.reward_weights or [1.0] * len(self.reward_funcs)
         total = [0.0] * len(texts)
         scored = [False] * len(texts)
-        self.last_bad = {}
+        self.last_bad, self.last_per_function = {}, {}
         for w, f in zip(weights, self.reward_funcs):
             name = reward_name(f)
             raw = f(prompts=prompts, completions=completions, **kwargs)
             values = reward_floats(name, raw, len(texts))  # a sequence of len(texts) from here on
             scored = [s or v is not None for s, v in zip(scored, raw)]
+            self.last_per_function[name] = [math.nan if r is None else v for r, v in zip(raw, values)]
             bad = sum(math.isnan(v) for v in values)
             if bad:
                 self.last_bad[name] = self.last_bad.get(name, 0) + bad
