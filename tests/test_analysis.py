@@ -211,3 +211,21 @@ def test_notebook_runs_top_to_bottom(analysis, sweep, tmp_path, monkeypatch):
     assert figures == ["connectivity", "coverage", "robustness", "similarity", "sweep"]
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "not found" not in text and "4 runs over" in text
+
+
+def test_each_tensor_is_grouped_by_its_own_module(tiny_model):
+    """A Llama layer's post_attention_layernorm (the MLP's input norm) is a norm, not attention: the regex once
+    matched the "attention" in its name, so robustness's attention curve perturbed it and similarity's L*.norm units
+    missed it."""
+    from esrl.analysis.common import group_names, layer_unit
+    from esrl.models import load_causal_lm
+
+    groups = group_names(load_causal_lm(tiny_model))
+    for layer in (0, 1):
+        prefix = f"model.layers.{layer}."
+        assert groups[prefix + "post_attention_layernorm.weight"] == "norm"
+        assert groups[prefix + "input_layernorm.weight"] == "norm"
+        assert groups[prefix + "self_attn.o_proj.weight"] == "attention"
+        assert groups[prefix + "mlp.down_proj.weight"] == "mlp"
+        assert layer_unit(prefix + "post_attention_layernorm.weight", "norm") == f"L{layer}.norm"
+    assert groups["model.norm.weight"] == "norm" and groups["model.embed_tokens.weight"] == "embeddings"

@@ -139,6 +139,10 @@ def test_bootstrap_is_seeded_and_brackets_the_rating():
     ("A", "A"), (" B.", "B"), ("Response B is better", "B"), ("**A**", "A"), ("(B)", "B"),
     ("The answer to the user's question is A.", "A"), ("a better answer is B", "B"), ("Tie", "tie"),
     ("They are equally helpful", "tie"), ("I cannot decide", None), ("", None), ("ABBA", None),
+    # ties that name both letters were once a vote for the first one named
+    ("A and B are equally helpful.", "tie"), ("Response A and Response B are tied", "tie"),
+    ("Neither A nor B; tie", "tie"), ("Both are about equal, but A is clearer", "A"),
+    ("Response B is better than A", "B"),
 ])
 def test_parse_verdict(text, verdict):
     assert parse_verdict(text) == verdict

@@ -117,11 +117,13 @@ class PolicyModule(L.LightningModule):
     # -- evaluation, shared by both algorithms ---------------------------------------------------------
     @torch.no_grad()
     def rollout_eval(self, rows: Sequence[dict[str, Any]], greedy: bool = True, n: int = 1,
-                     temperature: float | None = None, seed: int | None = None):
-        """Completions of the current weights for evaluation (rows repeated n times, row-major)."""
+                     temperature: float | None = None, seed: int | None = None, top_p: float | None = None):
+        """Completions of the current weights for evaluation (rows repeated n times, row-major); sampled ones with
+        the given temperature and top_p, else the rollout's."""
         return self.engine.generate(self.task.prompts(rows), max_new_tokens=self.rollout_config.max_new_tokens,
                                     greedy=greedy, temperature=temperature or self.rollout_config.temperature,
-                                    top_p=self.rollout_config.top_p, stop=self.stop_strings(),
+                                    top_p=top_p if top_p is not None else self.rollout_config.top_p,
+                                    stop=self.stop_strings(),
                                     num_return_sequences=n, seed=seed)
 
     def reward_context(self) -> dict[str, Any]:

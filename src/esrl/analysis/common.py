@@ -81,12 +81,12 @@ def group_names(model: torch.nn.Module) -> dict[str, str]:
             groups[name] = "embeddings"
         elif id(p) in ids_out:
             groups[name] = "unembedding"
+        elif "norm" in (owner := name.rsplit(".", 2)[-2] if "." in name else name) or owner.startswith("ln_"):
+            groups[name] = "norm"  # by its own module's name: Llama's post_attention_layernorm is no attention
         elif _LAYER.search(name) and _ATTN.search(name):
             groups[name] = "attention"
         elif _LAYER.search(name) and _MLP.search(name):
             groups[name] = "mlp"
-        elif "norm" in name or re.search(r"\bln_", name):
-            groups[name] = "norm"
         else:
             groups[name] = "other"
     return groups

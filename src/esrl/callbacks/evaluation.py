@@ -25,7 +25,7 @@ class Evaluation(L.Callback):
     """Evaluates the current weights on the task's eval split and logs `eval/<metric>` at the global step."""
 
     def __init__(self, every_n_steps: int = 0, before: bool = True, after: bool = True, num_samples: int = 0,
-                 temperature: float = 1.0, pass_k: list[int] | None = None, kl: bool = True,
+                 temperature: float = 1.0, top_p: float = 1.0, pass_k: list[int] | None = None, kl: bool = True,
                  correct_metric: str | None = None, table_rows: int = 8, seed: int = 1234):
         """
         Args:
@@ -34,6 +34,8 @@ class Evaluation(L.Callback):
             after: evaluate the final weights when fit ends.
             num_samples: sampled completions per prompt (0: greedy only); sampled reward, pass@k and KL use them.
             temperature: sampling temperature of those completions.
+            top_p: their nucleus; the run's own rollout.top_p is not used, so runs that sample differently in
+                training (ES and GRPO) are evaluated alike. KL needs the full distribution (1.0).
             pass_k: the k of pass@k (each <= num_samples); default [1, num_samples].
             kl: KL(fine-tuned || base), k3 per token on the sampled completions (loads the base model once).
             correct_metric: task metric that marks a sample correct for pass@k (default: `accuracy`, else
@@ -46,6 +48,10 @@ class Evaluation(L.Callback):
         self.after = after
         self.num_samples = num_samples
         self.temperature = temperature
+        if not 0 < top_p <= 1 or (kl and num_samples and top_p < 1):
+            raise ValueError(f"Evaluation.top_p {top_p}: must be in (0, 1], and 1 with kl (k3 on nucleus samples "
+                             "estimates no KL): set kl: false to sample a nucleus")
+        self.top_p = top_p
         self.pass_k = (pass_k or sorted({1, num_samples})) if num_samples else []
         if any(k > num_samples for k in self.pass_k):
             raise ValueError(f"Evaluation.pass_k {self.pass_k}: each k must be <= num_samples ({num_samples})")
@@ -117,7 +123,8 @@ class Evaluation(L.Callback):
 
     def _sampled(self, module, rows, table) -> dict[str, float]:
         n = self.num_samples
-        samples = module.rollout_eval(rows, greedy=False, n=n, temperature=self.temperature, seed=self.seed)
+        samples = module.rollout_eval(rows, greedy=False, n=n, temperature=self.temperature, top_p=self.top_p,
+                                      seed=self.seed)
         repeated = [r for r in rows for _ in range(n)]
         values = module.score_rows(repeated, samples)
         out = {f"sampled/{k}": v for k, v in finite_means({"reward": values["reward"]}, module, "sampled reward").items()}
@@ -134,7 +141,6 @@ class Evaluation(L.Callback):
     @torch.no_grad()
     def _kl(self, module, rows, samples) -> float:
         from esrl.models import load_causal_lm
-        from esrl.models.logps import per_token_logps
         from esrl.rollout import render_prompts
 
         base = module.frozen_base()  # GRPO's reference: no second copy of the model on the device
@@ -142,10 +148,22 @@ class Evaluation(L.Callback):
             if self._base is None:
                 self._base = load_causal_lm(module.model_path, module.policy_config.dtype).to(module.device)
             base = self._base
+        prompts = render_prompts(module.tokenizer, module.task.prompts(rows))
+        training = module.policy.training  # GRPO trains in train mode: dropout off for the estimate, as the base's
+        module.policy.eval()
+        try:
+            total, tokens = self._k3_sums(module, base, prompts, samples)
+        finally:
+            module.policy.train(training)
+        return total / max(tokens, 1)
+
+    def _k3_sums(self, module, base, prompts, samples) -> tuple[float, int]:
+        """The k3 terms summed over the samples' completion tokens, and how many tokens."""
+        from esrl.models.logps import per_token_logps
+
         tok = module.tokenizer
-        prompts = render_prompts(tok, module.task.prompts(rows))
         total, tokens = 0.0, 0
-        for start in range(0, len(rows), 16):
+        for start in range(0, len(prompts), 16):
             chunk = slice(start, start + 16)
             ids, mask, width = _pack(tok, prompts[chunk], [c.token_ids for c in samples[chunk]], module.device)
             lp = per_token_logps(module.policy, ids, mask, width, self.temperature)
@@ -153,7 +171,7 @@ class Evaluation(L.Callback):
             m = mask[:, -width:]
             total += float(k3_kl(lp, lr, m)) * int(m.sum())
             tokens += int(m.sum())
-        return total / max(tokens, 1)
+        return total, tokens
 
     def _run(self, trainer, module, label: str) -> None:
         step = trainer.global_step

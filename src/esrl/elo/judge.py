@@ -41,7 +41,8 @@ TEMPLATES = {
         "harmless)."),
 }
 
-_VERDICT = re.compile(r"(?<![A-Za-z0-9])(A|B)(?![A-Za-z0-9])|\b(tie|equal|equally)\b", re.IGNORECASE)
+_LETTER = re.compile(r"(?<![A-Za-z0-9])(A|B)(?![A-Za-z0-9])")
+_TIE = re.compile(r"\b(tie|tied|equal|equally|neither|same)\b", re.IGNORECASE)
 
 
 class JudgeError(EsrlError, RuntimeError):
@@ -51,14 +52,14 @@ class JudgeError(EsrlError, RuntimeError):
 def parse_verdict(text: str) -> str | None:
     """'A', 'B' or 'tie' from the judge's answer; None when it names neither (the tournament counts it a tie).
 
-    A and B count only as standalone capitals ("A", "(B)", "Response A:"), so the article "a" is no vote.
+    A and B count only as standalone capitals ("A", "(B)", "Response A:"), so the article "a" is no vote. A tie word
+    (tie, equally, neither, ...) with no letter or with both ("A and B are equally helpful") is a tie; with one
+    letter ("about equal, but A is clearer") that letter; else the first letter named.
     """
-    for match in _VERDICT.finditer(text or ""):
-        if match.group(1) in ("A", "B"):
-            return match.group(1)
-        if match.group(2):
-            return "tie"
-    return None
+    letters = [m.group(1) for m in _LETTER.finditer(text or "")]
+    if _TIE.search(text or "") and len(set(letters)) != 1:
+        return "tie"
+    return letters[0] if letters else None
 
 
 def judgment_key(judge_model: str, criterion: str, prompt: str, response_a: str, response_b: str) -> str:

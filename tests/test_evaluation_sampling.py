@@ -1,0 +1,65 @@
+"""The Evaluation callback samples alike whatever the run samples with, and estimates KL with dropout off."""
+
+from __future__ import annotations
+
+import json
+
+import lightning as L
+import pytest
+
+from conftest import FIXTURES
+
+pytestmark = pytest.mark.slow
+
+
+def _evaluated(model, root, algo: str, top_p: float = 1.0) -> dict:
+    """The step-0 evaluation (4 samples a prompt, KL on) of a one-step run of `algo` on `model`."""
+    from esrl.callbacks import Evaluation
+    from esrl.data import PromptDataModule
+    from esrl.es.config import ESConfig
+    from esrl.es.module import ESModule
+    from esrl.grpo.config import GRPOConfig
+    from esrl.grpo.module import GRPOModule
+    from esrl.policy import PolicyConfig
+    from esrl.rollout import RolloutConfig
+
+    rollout = RolloutConfig(max_new_tokens=6, temperature=1.0, top_p=top_p)
+    module = (ESModule(PolicyConfig(name_or_path=model), rollout, ESConfig(population_size=2, seed=1)) if algo == "es"
+              else GRPOModule(PolicyConfig(name_or_path=model), rollout, GRPOConfig(num_generations=2, seed=1)))
+    data = PromptDataModule("conciseness", {"train_path": str(FIXTURES / "conciseness_train3.jsonl"),
+                                            "eval_path": str(FIXTURES / "conciseness_eval2.jsonl")},
+                            prompts_per_step=1, shuffle=False)
+    evaluation = Evaluation(before=True, after=False, num_samples=4)
+    L.Trainer(accelerator="cpu", devices=1, max_steps=1, enable_progress_bar=False, enable_model_summary=False,
+              enable_checkpointing=False, logger=False, limit_val_batches=0, default_root_dir=root,
+              callbacks=[evaluation]).fit(module, datamodule=data)
+    return evaluation.history[0]
+
+
+def test_the_sampled_evaluation_ignores_the_runs_top_p(tiny_model, tmp_path):
+    """A run that trains with rollout.top_p 0.3 is evaluated on the same samples as one with 1.0 (same weights at
+    step 0): the sampled reward, pass@k and KL are the Evaluation's, comparable across runs and algorithms. They
+    took the run's top_p before, and k3 on nucleus samples is no KL estimate."""
+    nucleus = _evaluated(tiny_model, tmp_path / "a", "es", top_p=0.3)
+    full = _evaluated(tiny_model, tmp_path / "b", "es")
+    keys = [k for k in full if k.startswith(("sampled/", "pass@")) or k == "kl"]
+    assert "kl" in keys and {k: nucleus[k] for k in keys} == {k: full[k] for k in keys}
+    with pytest.raises(ValueError, match="Evaluation.top_p 0.9: .* 1 with kl"):
+        from esrl.callbacks import Evaluation
+
+        Evaluation(num_samples=2, top_p=0.9)
+
+
+def test_grpos_kl_at_step_0_is_0_with_dropout(tmp_path):
+    """GRPO trains in train mode; a model with dropout gave a nonzero KL between the policy and the reference at
+    step 0, where ES gives 0, the same weights scored once with dropout and once without."""
+    from transformers import AutoConfig
+
+    from esrl.models import tiny_llama
+
+    model = tiny_llama(tmp_path / "dropout")
+    config = AutoConfig.from_pretrained(model)
+    config.attention_dropout = 0.3
+    config.save_pretrained(model)
+    assert json.loads((tmp_path / "dropout" / "config.json").read_text())["attention_dropout"] == 0.3
+    assert _evaluated(model, tmp_path / "grpo", "grpo")["kl"] == 0.0
