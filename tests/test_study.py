@@ -280,3 +280,12 @@ def test_a_dry_run_where_the_runs_cannot_run_prints_its_plan_then_the_problem(ti
         "esrl study: error: es_seed=0: trainer.accelerator: gpu needs 1 CUDA GPU(s) (0 found; on a CPU pass "
         "--trainer.accelerator cpu)"]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_cell_over_fewer_seeds_than_its_group_says_so():
+    """A metric some seeds never logged (a count logged only when above 0) is a mean over the others: the table
+    said nothing, under a "seeds 3" column."""
+    from esrl.study.report import _fmt
+
+    assert _fmt({"mean": 3.0, "ci95": None, "n": 1}, seeds=3) == "3 (n=1)"
+    assert _fmt({"mean": 0.5, "ci95": 0.25, "n": 3}, seeds=3) == "0.5 ± 0.25"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from statistics import fmean
 from typing import Any
 
 from esrl.analysis.common import write_json
@@ -15,10 +16,12 @@ from esrl.study.results import RunResult, collect, groups, interval, summarize
 from esrl.study.runner import Run, resolved_config
 
 
-def _fmt(cell: dict[str, Any] | None) -> str:
+def _fmt(cell: dict[str, Any] | None, seeds: int | None = None) -> str:
+    """mean ± 95% half-width, and how many seeds it is over where some seeds lack the number."""
     if cell is None:
         return "–"
-    return f"{cell['mean']:.4g}" + (f" ± {cell['ci95']:.2g}" if cell.get("ci95") is not None else "")
+    text = f"{cell['mean']:.4g}" + (f" ± {cell['ci95']:.2g}" if cell.get("ci95") is not None else "")
+    return text + (f" (n={cell['n']})" if seeds is not None and cell["n"] < seeds else "")
 
 
 def _num(x: Any) -> str:
@@ -57,13 +60,15 @@ def write_report(study: StudyConfig, runs: list[Run], wall_s: float | None = Non
               "hacked = runs whose final evaluation trips `esrl sweep`'s hacking thresholds.", ""]
     names = [m for m in summary["metrics"] if not m.startswith("hacking/")]
     hacking = [m for m in summary["metrics"] if m.startswith("hacking/")]
-    rows = [[g["algorithm"], g["point"], str(len(g["seeds"])), _fmt(g["reward@step0"]),
-             *(_fmt(g.get(m)) for m in names), str(len(g["hacked_runs"]))] for g in summary["groups"]]
+    rows = [[g["algorithm"], g["point"], str(len(g["seeds"])), _fmt(g["reward@step0"], len(g["seeds"])),
+             *(_fmt(g.get(m), len(g["seeds"])) for m in names), str(len(g["hacked_runs"]))]
+            for g in summary["groups"]]
     lines += _table(["algorithm", "grid point", "seeds", "reward (step 0)", *names, "hacked"], rows)
     if hacking:
         lines += ["Hacking indicators of the final greedy completions (share of completions):", ""]
         lines += _table(["algorithm", "grid point", *(h.split("/", 1)[1] for h in hacking)],
-                        [[g["algorithm"], g["point"], *(_fmt(g.get(h)) for h in hacking)] for g in summary["groups"]])
+                        [[g["algorithm"], g["point"], *(_fmt(g.get(h), len(g["seeds"])) for h in hacking)]
+                         for g in summary["groups"]])
     plots.reward_curves(by_group, out / "curves.png")
     lines += ["## Reward curves", "", "![reward curves](curves.png)", ""]
     summary["analyses"] = {}
@@ -103,11 +108,12 @@ def _analyses_section(lines: list[str], study: StudyConfig, point: str, found: d
         for name, entry in classes.items():
             per_unit = entry["per_unit"]
             top = max(per_unit, key=lambda u: abs(per_unit[u])) if per_unit else None
-            whole = interval([w for w in entry["whole_model"] if w is not None])
-            rows.append([name, str(len(entry["pairs"])), str(whole) if whole else "–",
+            whole = [w for w in entry["whole_model"] if w is not None]  # pairs share runs: no t-interval over them
+            rows.append([name, str(len(entry["pairs"])),
+                         f"{fmean(whole):.4g} ({min(whole):.3g} to {max(whole):.3g})" if whole else "–",
                          _num(sum(abs(c) for c in per_unit.values()) / len(per_unit) if per_unit else None),
                          f"{_num(per_unit[top])} ({top})" if top else "–"])
-        lines += _table(["pairs of", "pairs", "whole-model cosine", "mean abs cosine over units",
+        lines += _table(["pairs of", "pairs", "whole-model cosine: mean (range)", "mean abs cosine over units",
                          "largest abs cosine (unit)"], rows)
         png = plots.cosine_layers(classes, data["units"], f"Per-layer cosine of weight changes{title}",
                                   out / f"cosine_{point}.png")
