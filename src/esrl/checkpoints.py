@@ -29,8 +29,11 @@ def check_ckpt_path(ckpt_path: str | Path | None) -> None:
         raise DataError(f"--ckpt_path {text}: no such file")
     if path.is_dir():  # a DeepSpeed checkpoint: Lightning reads its folder (DeepSpeed's `latest` and its tag's folder)
         if not ((path / "latest").is_file() or (path / "checkpoint").is_dir()):
+            model = (" It holds a Hugging Face model (config.json): start a run from it with "
+                     "--model.policy.name_or_path; resume from a run's checkpoints/*.ckpt"
+                     if (path / "config.json").is_file() else "")
             raise DataError(f"--ckpt_path {text}: a folder, but not a DeepSpeed checkpoint (no `latest` file or "
-                            "checkpoint/ folder in it); give a .ckpt file")
+                            f"checkpoint/ folder in it); give a .ckpt file.{model}")
         return
     try:
         with zipfile.ZipFile(path) as archive:

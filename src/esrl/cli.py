@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import re
 import sys
@@ -64,6 +65,20 @@ class EsrlCLI(LightningCLI):
                                            written)
                 config.seed_everything = self._resume.seed
                 self._resume.run_dir = ckpt.get("esrl_run_dir") or str(Path(config.ckpt_path).parent.parent)
+
+    def instantiate_classes(self) -> None:
+        """The config's classes; one that refuses its arguments inside a list jsonargparse tries as a Union (a
+        callback's own check: Evaluation's pass_k) is one line naming it, not jsonargparse's Union report."""
+        try:
+            super().instantiate_classes()
+        except ValueError as e:
+            cause = e
+            while cause.__cause__ is not None and not isinstance(cause, EsrlError):
+                cause = cause.__cause__
+            if cause is e:
+                raise
+            where = re.search(r"class_path='([^']+)'", str(e))
+            raise ConfigError(f"trainer.callbacks{f' ({where.group(1)})' if where else ''}: {cause}") from None
 
     def instantiate_trainer(self, **kwargs):
         """Lightning's Trainer; a setting it refuses (a strategy name, devices for the accelerator) is one line
@@ -147,6 +162,33 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, DefaultHelpFormatter)
         return super()._get_help_string(action)
 
 
+def misplaced_command(argv: list[str]) -> str | None:
+    """What is wrong with a command line whose command is unknown ("analysis") or comes after options
+    (`esrl --config x.yaml fit`), else None: the parser would list Trainer subcommands only, or blame an option."""
+    commands = ["fit", "validate", "test", *TOOLS]
+    if not argv or argv[0] in commands or argv[0] in ("-h", "--help", "--version"):
+        return None
+    if not argv[0].startswith("-"):
+        close = difflib.get_close_matches(argv[0], commands, n=1)
+        return (f"unknown command {argv[0]!r}" + (f" (did you mean {close[0]}?)" if close else "")
+                + f"; the commands: {', '.join(commands)}")
+    later = next((a for a in argv if a in commands), None)
+    if later is None or argv[0] not in ("--config", "-c") or len(argv) < 2 or _has_section(argv[1], later):
+        return None  # LightningCLI's own global config (a `fit:` section) is fine before the command
+    return f"options go after the command: esrl {later} {' '.join(a for a in argv if a != later)}".rstrip()
+
+
+def _has_section(config: str, command: str) -> bool:
+    """Whether a config file holds a `command:` section (LightningCLI's global config form); False if unreadable."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(config).read_text())
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return False
+    return isinstance(data, dict) and command in data
+
+
 def _run_tool(name: str, argv: list[str]) -> None:
     import importlib
 
@@ -188,6 +230,10 @@ def not_lightning_noise(record: logging.LogRecord) -> bool:
 
 def main(args: list[str] | None = None) -> None:
     argv = attach_negative_numbers(sys.argv[1:] if args is None else [str(a) for a in args])
+    misplaced = misplaced_command(argv)
+    if misplaced:
+        print(f"esrl: error: {misplaced}", file=sys.stderr)
+        raise SystemExit(2)
     if argv and argv[0] in TOOLS:
         try:
             _run_tool(argv[0], argv[1:])

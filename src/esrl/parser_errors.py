@@ -28,8 +28,30 @@ def one_line(message: str) -> str:
     text = " ".join(kept) or str(message).strip()
     while _NESTED_KEY.search(text):  # a bad field of a config class: name it whole (model.grpo.loss_type: ...)
         text = _NESTED_KEY.sub(r'Parser key "\1.\2":', text)
+    text = _CLASS_OPTION.sub(_class_option, text)  # a typo in a callback's init_args
     text = _UNKNOWN_OPTION.sub(r'Parser key "\1.\2": \1 has no option \2', text)  # a typo, on a line or in a file
     return text
+
+
+_CLASS_OPTION = re.compile(r'Parser key "(trainer\.callbacks)": Problem with given class_path \'([^\']+)\': '
+                           r"Option '([^']+)' is not accepted.*$")
+
+
+def _class_option(match: re.Match) -> str:
+    """`trainer.callbacks: <class> has no option <name> (did you mean ...?)`, its options read off its signature."""
+    import difflib
+    import importlib
+    import inspect
+
+    key, class_path, option = match.groups()
+    module, _, name = class_path.rpartition(".")
+    try:
+        params = list(inspect.signature(getattr(importlib.import_module(module), name)).parameters)
+    except (ImportError, AttributeError, ValueError, TypeError):
+        params = []
+    close = difflib.get_close_matches(option, params, n=1)
+    return (f"{key}: {class_path} has no option {option}" + (f" (did you mean {close[0]}?)" if close else "")
+            + (f"; it takes {', '.join(params)}" if params else ""))
 
 
 def help_hint(argv: list[str]) -> str:

@@ -80,11 +80,15 @@ def read_seed_log(path: str | Path, steps: int | None = None) -> tuple[dict[str,
     try:
         header = json.loads(lines[0]) if lines else None
     except json.JSONDecodeError:
+        if "esrl-seed-log/1" in lines[0]:
+            raise DataError(f"{path}:1: the seed log's header is not valid JSON (cut short?)") from None
         header = None
     if not isinstance(header, dict) or header.get("format") != "esrl-seed-log/1":
         raise DataError(f"{path}:1: not an esrl seed log (no esrl-seed-log/1 header)")
     wanted = len(lines) - 1 if steps is None else steps
-    if not 0 <= wanted <= len(lines) - 1:
+    if wanted < 0:
+        raise DataError(f"--step {steps}: must be >= 0 (0: the base model)")
+    if wanted > len(lines) - 1:
         raise DataError(f"{path}: seed log has {len(lines) - 1} iterations; cannot rebuild step {steps}")
     records = []
     for t, line in enumerate(lines[1:wanted + 1]):

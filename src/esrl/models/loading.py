@@ -63,6 +63,8 @@ def resolve_model_path(name_or_path: str) -> str:
 
         return str(ensure(cache_dir() / name_or_path, build))
     path = Path(name_or_path).expanduser()
+    if path.is_file():
+        raise ModelNotFoundError(f"model {name_or_path!r}: a file; give the model's folder ({path.resolve().parent})")
     if path.exists():
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"model {name_or_path!r}: {path.resolve()} has no config.json")
@@ -113,11 +115,24 @@ def _bad_safetensors(folder: Path) -> str | None:
     return None
 
 
-def _from_pretrained(loader, name_or_path: str, **kwargs):
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def _from_pretrained(loader, name_or_path: str, needs: tuple[str, str, tuple[str, ...]] | None = None, **kwargs):
+    """loader.from_pretrained on a model name or folder. `needs`: (what, which, file patterns) a local folder must
+    hold one of, checked first: without them transformers' errors blame a hub copy or a missing package."""
     resolved = resolve_model_path(name_or_path)
+    folder = Path(resolved)
+    if needs is not None and folder.is_dir() and not any(any(folder.glob(p)) for p in needs[2]):
+        raise ModelNotFoundError(f"model {name_or_path!r}: no {needs[0]} in {folder} (none of {', '.join(needs[2])}); "
+                                 f"{needs[1]}")
     try:
         return loader.from_pretrained(resolved, **kwargs)
     except OSError as e:  # hub id that cannot be fetched (offline, typo, private)
+        if folder.is_dir():
+            raise ModelNotFoundError(f"model {name_or_path!r}: the folder {folder} does not load: "
+                                     f"{str(e).splitlines()[0]}") from None
         cache = os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")
         raise ModelNotFoundError(
             f"model {name_or_path!r}: not a local folder, and the hub copy could not be loaded "
@@ -152,7 +167,8 @@ def load_complete(loader, name_or_path: str, expected: str, what: str = "model",
     this error and, unless report_unexpected is False (a score model's head, read apart), one line naming the
     checkpoint's weights the class does not use (a value head, another architecture's layers): they are dropped."""
     with _quiet_transformers():
-        model, info = _from_pretrained(loader, name_or_path, output_loading_info=True, **kwargs)
+        model, info = _from_pretrained(loader, name_or_path, ("weights", "save the model with save_pretrained",
+                                                              WEIGHT_FILES), output_loading_info=True, **kwargs)
     missing = sorted(info.get("missing_keys") or [])
     if missing:
         raise ModelNotFoundError(f"{what} {name_or_path!r}: its checkpoint lacks {_listed(missing)} "
@@ -171,7 +187,8 @@ def _listed(keys: list[str]) -> str:
 def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer
 
-    tok = _from_pretrained(AutoTokenizer, name_or_path)
+    tok = _from_pretrained(AutoTokenizer, name_or_path, ("tokenizer files", "save the tokenizer there too "
+                                                          "(tokenizer.save_pretrained)", TOKENIZER_FILES))
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"  # generation appends on the right

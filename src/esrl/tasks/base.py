@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from esrl.tasks.reward_values import reward_floats, reward_name
+from esrl.tasks.reward_values import call_reward, reward_floats, reward_name
 
 # A prompt is either raw text or a chat conversation (list of {"role", "content"} messages) that the
 # rollout engine renders with the tokenizer's chat template.
@@ -86,7 +86,7 @@ class Task:
         self.last_bad, self.last_per_function = {}, {}
         for w, f in zip(weights, self.reward_funcs):
             name = reward_name(f)
-            raw = f(prompts=prompts, completions=completions, **kwargs)
+            raw = call_reward(name, f, prompts=prompts, completions=completions, **kwargs)
             values = reward_floats(name, raw, len(texts))  # a sequence of len(texts) from here on
             scored = [s or v is not None for s, v in zip(scored, raw)]
             self.last_per_function[name] = [math.nan if r is None else v for r, v in zip(raw, values)]

@@ -19,8 +19,14 @@ def import_function(spec: str, field: str = "data.task_args.reward_funcs") -> Re
         raise ConfigError(f"{field}: {spec!r} is not an import path ('package.module:function')")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"{field}: cannot import {spec!r} ({e})") from None
+    except ModuleNotFoundError as e:
+        hint = ("; a module in the current folder is found only with the folder on PYTHONPATH (PYTHONPATH=. esrl ...)"
+                if e.name == module_name.partition(".")[0] else "")
+        raise ConfigError(f"{field}: cannot import {spec!r} ({e}){hint}") from None
+    except Exception as e:  # noqa: BLE001 - the module itself fails: SyntaxError, an import inside it, its own code
+        where = f" at {e.filename}:{e.lineno}" if isinstance(e, SyntaxError) else ""
+        raise ConfigError(f"{field}: cannot import {spec!r} ({type(e).__name__}{where}: "
+                          f"{e.msg if isinstance(e, SyntaxError) else e})") from None
     func = module
     try:
         for part in attr.split("."):  # allows `module:Class.method`

@@ -1,6 +1,6 @@
 """The reward policy ES and GRPO share: rewards are numbers, and non-finite ones are excluded, within a limit.
 
-A reward function returns, per completion, a real number or None (not applicable: counts as 0, as in TRL). A
+A reward function returns, per completion, a real number or None (not applicable: adds nothing; see Task.rewards). A
 bool, a string (even "1.5") or any other type is a RewardError naming the function: nothing is coerced
 silently. NaN and +/-inf pass through as NaN and make that completion *bad*. ES excludes a member with any bad
 reward from fitness shaping (its shaped fitness is 0, the update still divides by N); GRPO excludes a bad sample
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
-from esrl.errors import RewardError
+from esrl.errors import EsrlError, RewardError
 
 MAX_BAD_FRACTION = 0.5
 """A step stops when more than this fraction of its members (ES) or samples (GRPO) has a non-finite reward."""
@@ -35,6 +35,19 @@ def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
     return float(value)
+
+
+def call_reward(name: str, func: Callable[..., Any], **kwargs: Any) -> Any:
+    """A reward function's values; one it raises is a RewardError naming the function (a TypeError: the signature
+    TRL's reward functions take). esrl's own errors (a scorer's) pass as they are."""
+    try:
+        return func(**kwargs)
+    except EsrlError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's code: whatever it raises is its culprit's
+        hint = (" (reward functions take f(prompts, completions, **kwargs): the rows' columns, completion_ids and "
+                "trainer_state come as keywords)" if isinstance(e, TypeError) else "")
+        raise RewardError(f"reward function {name} raised {type(e).__name__}: {e}{hint}") from e
 
 
 def reward_floats(name: str, values: Any, expected: int) -> list[float]:

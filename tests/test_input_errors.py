@@ -1,0 +1,122 @@
+"""Mistakes a newcomer makes, each one line naming its culprit (and exit 2 from the command line)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run_esrl
+from esrl.errors import ConfigError, DataError, EsrlError, RewardError
+
+
+def _one_error(out) -> str:
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    (line,) = [x for x in out.stderr.splitlines() if x.startswith("esrl: error")]
+    return line
+
+
+@pytest.mark.parametrize("remove, message", [
+    (lambda p: [f.unlink() for f in p.glob("*") if "token" in f.name or f.suffix in (".jinja", ".txt")]
+     or None, "no tokenizer files in"),
+    (lambda p: (p / "model.safetensors").unlink(), "no weights in"),
+])
+def test_a_model_folder_lacking_its_tokenizer_or_weights_says_which(tiny_model, tmp_path, remove, message):
+    """transformers blamed a missing sentencepiece package, or a hub copy, for a local folder missing files."""
+    from esrl.models import load_causal_lm, load_tokenizer
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model, folder)
+    remove(folder)
+    with pytest.raises(EsrlError, match=f"^model '{folder}': {message} {folder}"):
+        load_causal_lm(str(folder)) if "weights" in message else load_tokenizer(str(folder))
+    with pytest.raises(EsrlError, match=r"a file; give the model's folder"):
+        load_causal_lm(str(Path(tiny_model) / "model.safetensors"))
+
+
+def test_a_reward_module_that_fails_to_import_is_named_with_its_line(tmp_path, monkeypatch):
+    from esrl.tasks.jsonl import import_function
+
+    (tmp_path / "broken_rewards.py").write_text("def length(prompts, completions\n    return []\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"cannot import 'broken_rewards:length' \(SyntaxError at .*"
+                                          r"broken_rewards.py:1: "):
+        import_function("broken_rewards:length")
+    with pytest.raises(ConfigError, match=r"No module named 'my_rewards'\); a module in the current folder is found "
+                                          r"only with the folder on PYTHONPATH"):
+        import_function("my_rewards:length")
+
+
+def test_a_reward_function_that_raises_is_one_line_naming_it():
+    """A function without TRL's keywords (its TypeError) or with a bug of its own stops the run naming it."""
+    from esrl.tasks.base import Task
+
+    def length(completions):
+        return [1.0 for _ in completions]
+
+    rows = [{"prompt": "a"}]
+    with pytest.raises(RewardError, match=r"^reward function length raised TypeError: .*'prompts' \(reward "
+                                          r"functions take f\(prompts, completions, \*\*kwargs\)"):
+        Task("t", [], [], reward_funcs=[length]).rewards(rows, ["x"])
+    with pytest.raises(RewardError, match=r"^reward function <lambda> raised ZeroDivisionError"):
+        Task("t", [], [], reward_funcs=[lambda prompts, completions, **_: [1 / 0]]).rewards(rows, ["x"])
+
+
+def test_an_option_a_task_does_not_take_is_named_with_what_it_takes():
+    from esrl.tasks import build_task
+
+    with pytest.raises(ConfigError, match=r"^data.task_args.train_pth: task 'jsonl' has no option 'train_pth' "
+                                          r"\(did you mean train_path\?\); it takes train_path, eval_path"):
+        build_task("jsonl", train_pth="x.jsonl")
+    with pytest.raises(ConfigError, match=r"^data.task_args.train_path: task 'jsonl' needs it"):
+        build_task("jsonl")
+
+
+def test_a_seed_log_cut_in_its_header_and_a_negative_step_are_named(tmp_path):
+    from esrl.es.seed_log import read_seed_log
+
+    log = tmp_path / "seed_log.jsonl"
+    log.write_text('{"format": "esrl-seed-log/1", "noise_se\n')
+    with pytest.raises(DataError, match=r":1: the seed log's header is not valid JSON \(cut short\?\)"):
+        read_seed_log(log)
+    log.write_text(json.dumps({"format": "esrl-seed-log/1"}) + "\n")
+    with pytest.raises(DataError, match=r"^--step -1: must be >= 0"):
+        read_seed_log(log, -1)
+
+
+def test_a_model_folder_given_as_ckpt_path_says_how_to_start_from_it(tiny_model):
+    from esrl.checkpoints import check_ckpt_path
+
+    with pytest.raises(DataError, match="It holds a Hugging Face model .*--model.policy.name_or_path"):
+        check_ckpt_path(tiny_model)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["analysis", "all"], "esrl: error: unknown command 'analysis' (did you mean analyze?); the commands: fit,"),
+    (["--config", "x.yaml", "fit"], "esrl: error: options go after the command: esrl fit --config x.yaml"),
+])
+def test_an_unknown_or_misplaced_command_is_named(argv, message):
+    assert _one_error(run_esrl(*argv)).startswith(message)
+
+
+@pytest.mark.parametrize("init_args, message", [
+    ({"num_samples": 2, "pass_k": [4]}, "trainer.callbacks (esrl.callbacks.Evaluation): Evaluation.pass_k [4]: "
+                                        "each k must be <= num_samples (2)"),
+    ({"num_sample": 2}, "trainer.callbacks: esrl.callbacks.Evaluation has no option num_sample (did you mean "
+                        "num_samples?)"),
+])
+def test_a_callbacks_bad_argument_is_one_line_naming_it(tmp_path, init_args, message):
+    """jsonargparse tries a callback list as a Union: its report was ~80 lines, or a traceback (exit 1)."""
+    config = tmp_path / "callbacks.yaml"
+    config.write_text(textwrap.dedent(f"""\
+        trainer:
+          callbacks:
+            - class_path: esrl.callbacks.Evaluation
+              init_args: {json.dumps(init_args)}
+        """))
+    out = run_esrl("fit", "--config", ROOT / "configs/demo/es_conciseness.yaml", "--config", config,
+                   "--trainer.default_root_dir", tmp_path / "run")
+    assert _one_error(out).startswith(f"esrl: error: {message}")
