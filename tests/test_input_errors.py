@@ -120,3 +120,19 @@ def test_a_callbacks_bad_argument_is_one_line_naming_it(tmp_path, init_args, mes
     out = run_esrl("fit", "--config", ROOT / "configs/demo/es_conciseness.yaml", "--config", config,
                    "--trainer.default_root_dir", tmp_path / "run")
     assert _one_error(out).startswith(f"esrl: error: {message}")
+
+
+@pytest.mark.parametrize("command", ["env --config", "study"])
+def test_invalid_yaml_names_file_line_and_column_in_every_command(tmp_path, command):
+    """fit and sweep did; env and study said `while parsing a block mapping`, no line."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nbase_config: a.yaml\nalgorithms: [es\n")
+    out = run_esrl(*command.split(), bad)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"{bad}:4:1: invalid YAML (did not find expected ',' or ']'" in out.stderr
+
+
+def test_a_fit_config_given_to_study_says_what_a_study_file_is():
+    out = run_esrl("study", ROOT / "configs/demo/es_conciseness.yaml", "--dry-run")
+    assert out.returncode == 2 and "an `esrl fit` config, not a study file; a study names one as base_config" \
+        in out.stderr

@@ -34,4 +34,10 @@ def load_yaml(stream: str, path: str = "") -> object:
         raise ConfigError(f"{where}: invalid YAML ({problem}{f', {context}' if context else ''})") from None
 
 
+def read_yaml(path: str | os.PathLike) -> object:
+    """A YAML file's content; invalid YAML is a ConfigError naming file:line:column, as a --config file's is."""
+    with open(path, encoding="utf-8") as f:
+        return load_yaml(f.read(), str(path))
+
+
 set_loader(MODE, load_yaml, exceptions=(yaml.YAMLError,))

@@ -81,13 +81,12 @@ def report() -> list[tuple[str, str]]:
 
 
 def config_needs(path: str, algo: str | None) -> list:
-    import yaml
-
+    from esrl.config_files import read_yaml
     from esrl.needs import local_needs, remote_needs
 
     try:
-        config = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as e:
+        config = read_yaml(path) or {}
+    except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"--config {path}: {str(e).splitlines()[0]}") from None
     if not isinstance(config, dict):  # a bare string or list: no key to check, and .get would be a traceback
         raise ConfigError(f"--config {path}: expected a mapping of config sections (model:, data:, trainer:, ...), "

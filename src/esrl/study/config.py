@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from esrl.checkpoints import check_root_dir
+from esrl.config_files import read_yaml
 from esrl.errors import ConfigError, require
 
 ALGOS = ("es", "grpo")
@@ -232,13 +232,13 @@ def load_study(path: str | Path, out: str | None = None) -> StudyConfig:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"study file {str(path)!r}: no such file")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML ({str(e).splitlines()[0]})") from None
+    raw = read_yaml(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of study fields")
     raw = dict(raw)
+    if "base_config" not in raw and {"model", "data", "trainer"} & raw.keys():
+        raise ConfigError(f"{path}: an `esrl fit` config, not a study file; a study names one as base_config "
+                          "(configs/study/ has examples)")
     for needed in ("base_config", "algorithms"):
         if needed not in raw:
             raise ConfigError(f"{needed}: missing in {path}")
@@ -257,7 +257,7 @@ def load_study(path: str | Path, out: str | None = None) -> StudyConfig:
     if not base_path.is_file():
         raise ConfigError(f"base_config {study.base_config!r}: no such file")
     study.base_config = str(base_path)
-    base = yaml.safe_load(base_path.read_text()) or {}
+    base = read_yaml(base_path) or {}
     if not isinstance(base, dict):
         raise ConfigError(f"base_config {study.base_config}: expected a mapping")
     study.base = base
