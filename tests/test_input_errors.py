@@ -136,3 +136,25 @@ def test_a_fit_config_given_to_study_says_what_a_study_file_is():
     out = run_esrl("study", ROOT / "configs/demo/es_conciseness.yaml", "--dry-run")
     assert out.returncode == 2 and "an `esrl fit` config, not a study file; a study names one as base_config" \
         in out.stderr
+
+
+@pytest.mark.parametrize("mode, members, max_batch_size, idle", [("full", 2, 64, 2), ("lowrank", 6, 2, 1),
+                                                                  ("lowrank", 4, 64, 3)])
+def test_more_processes_than_an_iterations_work_warns_of_the_idle_ones(tiny_model, mode, members, max_batch_size,
+                                                                       idle):
+    """4 processes, 2 members (full: one each) or chunks of max_batch_size rows (lowrank, 1 prompt a step): the
+    idle processes are said before the first step, not found in an idle GPU's utilisation. (The Trainer is a
+    stand-in here: 4 real processes on this 2-core machine for a warning would cost a minute.)"""
+    from types import SimpleNamespace
+
+    from esrl.es.config import ESConfig
+    from esrl.es.module import ESModule
+    from esrl.policy import PolicyConfig
+    from esrl.rollout import RolloutConfig
+
+    module = ESModule(PolicyConfig(name_or_path=tiny_model), RolloutConfig(max_batch_size=max_batch_size),
+                      ESConfig(population_size=members, mode=mode))
+    module._trainer = SimpleNamespace(world_size=4, precision="32-true", log_dir=None, default_root_dir=".",
+                                      datamodule=SimpleNamespace(prompts_per_step=1))
+    with pytest.warns(UserWarning, match=rf"trainer.devices: 4 processes share {4 - idle} .* {idle} of them idle"):
+        module.setup("fit")

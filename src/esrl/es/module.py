@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from esrl.errors import ConfigError, DataError
 from esrl.es.config import ESConfig
@@ -74,6 +75,13 @@ class ESModule(PolicyModule):
             raise ConfigError(f"trainer.precision {self.trainer.precision}: ES takes no mixed precision (no backward "
                               "to autocast; fp16's grad scaler would rescale the ES gradient); set model.policy.dtype "
                               "and use 32-true or bf16-true")
+        world, prompts = self.trainer.world_size, getattr(self.trainer.datamodule, "prompts_per_step", 1)
+        units = (-(-self.es.population_size // self.members_per_chunk(prompts)) if self.mode.batched
+                 else self.es.population_size)  # members (sequential modes) or chunks (batched) to share out
+        if stage == "fit" and world > units:
+            kind = "chunks of members" if self.mode.batched else "members"
+            rank_zero_warn(f"trainer.devices: {world} processes share {units} {kind} an iteration: {world - units} "
+                           "of them idle (model.es.population_size, model.rollout.max_batch_size)")
 
     def configure_optimizers(self):
         return build_optimizer(self.selection.params, self.es)
