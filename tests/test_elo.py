@@ -143,6 +143,9 @@ def test_bootstrap_is_seeded_and_brackets_the_rating():
     ("A and B are equally helpful.", "tie"), ("Response A and Response B are tied", "tie"),
     ("Neither A nor B; tie", "tie"), ("Both are about equal, but A is clearer", "A"),
     ("Response B is better than A", "B"),
+    # and clear votes that name a tie word are no ties
+    ("B. Response A repeats the same error.", "B"), ("Neither is perfect, but B is better than A.", "B"),
+    ("A is better; B gives the same answer but wrong.", "A"),
 ])
 def test_parse_verdict(text, verdict):
     assert parse_verdict(text) == verdict

@@ -46,3 +46,13 @@ def test_merged_weights_equal_peft_merge_and_unload_and_leave_the_policy_as_it_w
     loaded = load_causal_lm(str(out), dtype).state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in reference.items())
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_an_adapter_on_a_tied_head_is_refused(tiny_model):
+    """The merged lm_head would be saved apart from the embeddings it is tied to, under a config that says tied:
+    vLLM and transformers 4 load the embeddings there, without the adapter."""
+    from esrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^model.grpo.lora.target_modules: lm_head is tied to the input "
+                                          r"embeddings"):
+        wrap_lora(load_causal_lm(tiny_model), LoraOptions(target_modules=["q_proj", "lm_head"]), 0, GRPO_FIELDS)

@@ -10,16 +10,17 @@ from esrl.rollout.vllm import vllm_available
 
 
 @pytest.mark.parametrize("precision, dtype", [("bf16-mixed", torch.bfloat16), ("16-mixed", torch.bfloat16),
-                                              ("32-true", None), ("bf16-true", None)])
+                                              ("32-true", None), ("bf16-true", torch.bfloat16)])
 def test_the_forward_dtype_of_each_precision(precision, dtype):
-    """Only a mixed precision computes in another dtype than the weights' ('bf16-true' converts the weights). On a
-    CPU Lightning runs '16-mixed' as 'bf16-mixed', and the engine follows; on a GPU it is float16 (not run here)."""
+    """A mixed precision computes in its autocast dtype; 'bf16-true' converts the weights, after configure_model has
+    built the engine from the fp32 ones. On a CPU Lightning runs '16-mixed' as 'bf16-mixed', and the engine follows;
+    on a GPU it is float16 (not run here)."""
     import lightning as L
 
-    from esrl.policy import autocast_dtype
+    from esrl.policy import precision_dtype
 
-    assert autocast_dtype(L.Trainer(accelerator="cpu", precision=precision, logger=False)) is dtype
-    assert autocast_dtype(None) is None
+    assert precision_dtype(L.Trainer(accelerator="cpu", precision=precision, logger=False)) is dtype
+    assert precision_dtype(None) is None
 
 
 @pytest.mark.slow

@@ -183,7 +183,7 @@ def _has_section(config: str, command: str) -> bool:
     import yaml
 
     try:
-        data = yaml.safe_load(Path(config).read_text())
+        data = yaml.safe_load(Path(config).read_text() if Path(config).is_file() else config)  # a file, or inline
     except (OSError, yaml.YAMLError, UnicodeDecodeError):
         return False
     return isinstance(data, dict) and command in data

@@ -80,7 +80,7 @@ class PolicyModule(L.LightningModule):
         self.tokenizer = load_tokenizer(self.model_path)
         self.policy = load_causal_lm(self.model_path, self.policy_config.dtype)
         self.engine = build_engine(self.rollout_config, self.policy, self.tokenizer, adapters=self.engine_adapters(),
-                                   compute_dtype=autocast_dtype(self._trainer))
+                                   compute_dtype=precision_dtype(self._trainer))
 
     def report_compiles(self) -> float:
         """Print each newly compiled decode shape once, with its first call's time; the seconds added since the
@@ -229,8 +229,10 @@ def world_info(module: L.LightningModule) -> tuple[int, int]:
     return trainer.global_rank, trainer.world_size
 
 
-def autocast_dtype(trainer: L.Trainer | None) -> torch.dtype | None:
-    """The dtype a Lightning mixed-precision forward runs in (trainer.precision 'bf16-mixed' or '16-mixed'), else
-    None: an engine with its own weights then runs in the policy's dtype."""
+def precision_dtype(trainer: L.Trainer | None) -> torch.dtype | None:
+    """The dtype the policy's forward runs in under Lightning's precision where the loaded weights do not say it:
+    a mixed precision's autocast ('bf16-mixed', '16-mixed'), or a true half precision's conversion ('bf16-true',
+    '16-true'), which Lightning applies after configure_model; else None (the weights' dtype)."""
     precision = str(trainer.precision) if trainer is not None else ""
-    return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+    return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "bf16-true": torch.bfloat16,
+            "16-true": torch.float16}.get(precision)

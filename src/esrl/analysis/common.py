@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from types import SimpleNamespace
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,8 @@ def check_same_architecture(a: torch.nn.Module, b: torch.nn.Module, label_a: str
 
 # -- layer groups ------------------------------------------------------------------------------------------
 _LAYER = re.compile(r"\.(?:layers|h|blocks|layer)\.(\d+)\.")
+ANALYSIS_STATE = SimpleNamespace(global_step=0, max_steps=0, epoch=0)
+"""trainer_state for reward functions scored outside training (TRL's keyword; no step to report)."""
 _ATTN = re.compile(r"attn|attention|q_proj|k_proj|v_proj|o_proj")
 _MLP = re.compile(r"mlp|feed_forward|ffn|fc\d|gate_proj|up_proj|down_proj")
 GROUPS = ("embeddings", "attention", "mlp", "unembedding")
@@ -156,7 +159,8 @@ class RewardEvaluator:
         """Per-sample reward and task metrics; completions are row-major with n per row."""
         rows = [r for r in self.rows for _ in range(n)]
         texts = [c.text for c in completions]
-        values = {"reward": self.task.rewards(rows, texts, [c.token_ids for c in completions])}
+        values = {"reward": self.task.rewards(rows, texts, [c.token_ids for c in completions],
+                                              trainer_state=ANALYSIS_STATE)}
         values.update(self.task.metrics(rows, texts))
         return values
 

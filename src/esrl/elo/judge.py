@@ -42,6 +42,8 @@ TEMPLATES = {
 }
 
 _LETTER = re.compile(r"(?<![A-Za-z0-9])(A|B)(?![A-Za-z0-9])")
+_ALONE = re.compile(r"^\W*(A|B)\W*(?:$|[.:)\n])")
+_BETTER = re.compile(r"(?<![A-Za-z0-9])(A|B) is (?:better|more|clearer|safer|preferable|preferred)")
 _TIE = re.compile(r"\b(tie|tied|equal|equally|neither|same)\b", re.IGNORECASE)
 
 
@@ -52,12 +54,17 @@ class JudgeError(EsrlError, RuntimeError):
 def parse_verdict(text: str) -> str | None:
     """'A', 'B' or 'tie' from the judge's answer; None when it names neither (the tournament counts it a tie).
 
-    A and B count only as standalone capitals ("A", "(B)", "Response A:"), so the article "a" is no vote. A tie word
-    (tie, equally, neither, ...) with no letter or with both ("A and B are equally helpful") is a tie; with one
-    letter ("about equal, but A is clearer") that letter; else the first letter named.
+    A and B count only as standalone capitals ("A", "(B)", "Response A:"), so the article "a" is no vote. In order:
+    a letter standing alone first ("B.", "**A**"); a letter said to be better ("Neither is perfect, but B is
+    better"); a tie word with no letter or both ("A and B are equally helpful"); else the first letter named.
     """
-    letters = [m.group(1) for m in _LETTER.finditer(text or "")]
-    if _TIE.search(text or "") and len(set(letters)) != 1:
+    text = text or ""
+    if first := _ALONE.match(text):
+        return first.group(1)
+    if better := _BETTER.search(text):
+        return better.group(1)
+    letters = [m.group(1) for m in _LETTER.finditer(text)]
+    if _TIE.search(text) and len(set(letters)) != 1:
         return "tie"
     return letters[0] if letters else None
 

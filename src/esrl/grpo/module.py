@@ -39,7 +39,7 @@ from esrl.grpo.loss import GLOBAL_TOKEN_LOSSES, GRPOLoss
 from esrl.grpo.optim import default_adamw, default_schedule
 from esrl.grpo.reference import FrozenReference
 from esrl.grpo.rollout_batch import RolloutBatch, Scores, rollout_tensors
-from esrl.grpo.step_metrics import rank_reduction, window_metrics
+from esrl.grpo.step_metrics import loss_metrics, rank_reduction, sample_metrics, window_samples
 from esrl.models.loading import load_causal_lm
 from esrl.models.logps import per_token_logps
 from esrl.models.lora import GRPO_FIELDS, is_peft, policy_adapter, wrap_lora
@@ -314,15 +314,20 @@ class GRPOModule(PolicyModule):
         self._window_log.append((rollout, stats))
         if not self._closes_window:
             return
-        rollouts, window_stats = zip(*self._window_log)
+        rollouts, stats = zip(*self._window_log)
         self._window_log = []
-        metrics = window_metrics(rollouts, window_stats, self.grpo.num_generations)
+        samples = window_samples(rollouts)
+        if self.trainer.world_size > 1:  # every process's samples, as TRL's gathered metrics: the same on each
+            samples = {k: self.all_gather(v.to(self.device)).reshape(-1).cpu() for k, v in samples.items()}
+        metrics = sample_metrics(samples, self.grpo.num_generations)
         metrics["train/lr"] = self.trainer.optimizers[0].param_groups[0]["lr"]
-        batch_size = sum(x.rewards.numel() for x in rollouts)
-        for reduce_fx in ("mean", "min", "max", "sum"):  # over ranks, as TRL: min of mins, max of maxes, means
-            self.log_dict({k: float(v) for k, v in metrics.items() if rank_reduction(k) == reduce_fx}, on_step=True,
+        batch_size = int(samples["rewards"].numel())
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=batch_size)
+        loss = loss_metrics([{**s, **x.is_stats} for x, s in zip(rollouts, stats)])
+        for reduce_fx in ("mean", "min", "max"):  # over processes, as TRL: means, min of mins, max of maxes
+            self.log_dict({k: v for k, v in loss.items() if rank_reduction(k) == reduce_fx}, on_step=True,
                           on_epoch=False, sync_dist=True, reduce_fx=reduce_fx, batch_size=batch_size)
-        self.log("reward", float(metrics["train/reward_mean"]), prog_bar=True, on_step=True, on_epoch=False, logger=False,
+        self.log("reward", metrics["train/reward_mean"], prog_bar=True, on_step=True, on_epoch=False, logger=False,
                  batch_size=batch_size)
 
     def on_before_optimizer_step(self, optimizer) -> None:

@@ -28,8 +28,11 @@ def token_entropies(logits: torch.Tensor, temperature: float = 1.0) -> torch.Ten
     (TRL's entropy_from_logits: a metric, not a loss term)."""
     rows = []
     for row_logits in logits:
-        row = row_logits.float() / temperature
-        rows.append(torch.logsumexp(row, dim=-1) - (torch.softmax(row, dim=-1) * row).sum(-1))
+        parts = []
+        for part in row_logits.split(128):  # 128 positions at a time: a few float32 [128, V] copies, as TRL's chunks
+            part = part.float() / temperature
+            parts.append(torch.logsumexp(part, dim=-1) - (torch.softmax(part, dim=-1) * part).sum(-1))
+        rows.append(torch.cat(parts))
     return torch.stack(rows)
 
 

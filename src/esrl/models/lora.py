@@ -97,6 +97,13 @@ def wrap_lora(model: torch.nn.Module, options: LoraOptions, seed: int, fields: L
     if layers is not None and count is not None and max(layers) >= count:
         raise ConfigError(f"{fields.layers}: {options.layers!r} reaches past the model's {count} layers "
                           f"(0-{count - 1})")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = head is not None and head.weight is getattr(model.get_input_embeddings(), "weight", None)
+    head_name = next((n for n, m in model.named_modules() if m is head), None) if tied else None
+    if head_name and any(head_name == t or head_name.endswith(f".{t}") for t in options.target_modules):
+        raise ConfigError(f"{fields.target_modules}: {head_name} is tied to the input embeddings in this model; its "
+                          "adapter would untie them in the merged final/ model, which a tied config then loads "
+                          "without it (vLLM, transformers 4): leave it out of the targets")
     config = LoraConfig(r=options.rank, lora_alpha=options.alpha, target_modules=list(options.target_modules),
                         layers_to_transform=sorted(layers) if layers is not None else None, lora_dropout=0.0,
                         bias="none", task_type="CAUSAL_LM")

@@ -37,7 +37,7 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
-def call_reward(name: str, func: Callable[..., Any], **kwargs: Any) -> Any:
+def call_reward(name: str, func: Callable[..., Any], /, **kwargs: Any) -> Any:
     """A reward function's values; one it raises is a RewardError naming the function (a TypeError: the signature
     TRL's reward functions take). esrl's own errors (a scorer's) pass as they are."""
     try:
