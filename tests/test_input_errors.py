@@ -158,3 +158,11 @@ def test_more_processes_than_an_iterations_work_warns_of_the_idle_ones(tiny_mode
                                       datamodule=SimpleNamespace(prompts_per_step=1))
     with pytest.warns(UserWarning, match=rf"trainer.devices: 4 processes share {4 - idle} .* {idle} of them idle"):
         module.setup("fit")
+
+
+def test_columns_named_like_esrls_own_arguments_reach_the_reward_function():
+    """A data column `name` or `func` once collided with the reward call's own arguments (a TypeError)."""
+    from esrl.tasks.base import Task
+
+    task = Task("t", [], [], reward_funcs=[lambda prompts, completions, name, func, **_: [float(len(name[0] + func[0]))]])
+    assert task.rewards([{"prompt": "a", "name": "bob", "func": "xy"}], ["x"]) == [5.0]
