@@ -129,8 +129,8 @@ class PolicyModule(L.LightningModule):
     def reward_context(self) -> dict[str, Any]:
         """What TRL hands its reward functions besides the data: trainer_state (global_step, max_steps, epoch, the
         fields of transformers' TrainerState a reward schedule reads)."""
-        state = SimpleNamespace(global_step=self.global_step, max_steps=self.trainer.max_steps,
-                                epoch=self.current_epoch)
+        state = SimpleNamespace(global_step=self.global_step, epoch=self.current_epoch,  # 0 without a Trainer
+                                max_steps=self._trainer.max_steps if self._trainer is not None else None)
         return {"trainer_state": state}
 
     def score_rows(self, rows: Sequence[dict[str, Any]], completions) -> dict[str, list[float]]:
