@@ -122,3 +122,15 @@ def test_the_gpus_a_trainer_devices_value_needs(devices, wanted, monkeypatch):
     (need,) = [n for n in needs.local_needs({"trainer": {"accelerator": "gpu", "devices": devices}})
                if n.field.startswith("trainer.accelerator")]
     assert need.status == (needs.OK if wanted == 1 else needs.MISSING) and need.what == f"{wanted} CUDA GPU(s)"
+
+
+def test_env_config_checks_the_fields_as_fit_does(tmp_path):
+    """A typo fit refuses was "[ok]" everywhere and exit 0 here."""
+    config = tmp_path / "typo.yaml"
+    config.write_text(yaml.safe_dump({"model": {"es": {"populaton_size": 2}}}))
+    out = run_esrl("env", "--config", config)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "- [refused] its fields, as `esrl fit` checks them: esrl fit: " in out.stdout
+    assert "model.es has no option populaton_size" in out.stderr.strip().splitlines()[-1]
+    good = run_esrl("env", "--config", ROOT / "configs/demo/es_conciseness.yaml")
+    assert good.returncode == 0 and "- [ok] its fields, as `esrl fit` checks them" in good.stdout

@@ -120,6 +120,14 @@ def main(argv: list[str] | None = None) -> None:
     for need in needs:
         print(f"- [{need.status}] {need.field}: {need.what}" + ("" if need.status == "ok" else f" -> {need.fix}"))
     missing = [n.line() for n in needs if n.status == "missing"]
+    from esrl.fit_check import check_fit_args
+
+    refused = check_fit_args([("esrl fit", ["--config", args.config, *(["--algo", args.algo] if args.algo else [])])],
+                             defer=True)  # its keys, types and values, as fit checks them before a model loads
+    print(f"- [{'refused' if refused else 'ok'}] its fields, as `esrl fit` checks them" + (f": {refused}" if refused
+                                                                                          else ""))
+    if refused and not missing:  # else it is likely one of them, as fit words it (printed above either way)
+        missing.append(str(refused))
     if broken and not any("ESRL_CACHE" in line for line in missing):
         missing.append(broken)
     if missing:

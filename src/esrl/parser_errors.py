@@ -17,7 +17,7 @@ _NESTED_KEY = re.compile(r'Parser key "([^"]+)": Problem with given class_path \
 
 
 _UNKNOWN_OPTION = re.compile(r'Parser key "([^"]+)": Problem with given class_path \'[^\']+\': '
-                             r"Option '([^']+)' is not accepted$")
+                             r"Option '([^']+)' is not accepted(?: Given value: .*)?$")
 
 
 def one_line(message: str) -> str:
