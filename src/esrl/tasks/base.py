@@ -82,7 +82,7 @@ class Task:
             kwargs["completion_ids"] = [list(ids) for ids in completion_ids]
         weights = self.reward_weights or [1.0] * len(self.reward_funcs)
         total = [0.0] * len(texts)
-        scored = [False] * len(texts)
+        scored = [not self.reward_funcs] * len(texts)  # with no reward function every total stands (0)
         self.last_bad, self.last_per_function = {}, {}
         for w, f in zip(weights, self.reward_funcs):
             name = reward_name(f)
@@ -94,9 +94,8 @@ class Task:
             if bad:
                 self.last_bad[name] = self.last_bad.get(name, 0) + bad
             total = [t + w * v for t, v in zip(total, values)]
-        self.last_unscorable = scored.count(False) if self.reward_funcs else 0
-        return [(t if math.isfinite(t) else math.nan) if s or not self.reward_funcs else unscorable
-                for t, s in zip(total, scored)]
+        self.last_unscorable = scored.count(False)
+        return [(t if math.isfinite(t) else math.nan) if s else unscorable for t, s in zip(total, scored)]
 
     def metrics(self, rows: Sequence[dict[str, Any]], texts: Sequence[str]) -> dict[str, list[float]]:
         """Per-sample values of each evaluation metric (averaged by the caller)."""
