@@ -10,6 +10,8 @@ Each mode runs in its own fresh process (so the peak-RSS figures do not mix):
 - lora:    one whole ES iteration over a PEFT LoRA adapter (rank 8 on the 7 projections of every layer): the
            adapter's perturbed factors stacked per member, ONE batched generate of 60 rows with per-row adapter
            factors, rewards, the fp32 full-noise update in adapter space and the SGD step.
+- lora_gemm: lora with `--gemm-outs` in force for its units alone (side by side with lora: the GEMM against the
+           kernel in one process); without a lora_gemm mode, `--gemm-outs` applies to every mode.
 - full:    the paper's mode, member by member (perturb 135M weights, generate 2 rows, restore). Too slow to run
            all 30 members on a laptop CPU: `--full-members K` members are timed and the per-member mean is
            extrapolated to N (said so in the output); the update (30 full-size noise regenerations) is run for real.
@@ -117,6 +119,18 @@ def prepare(mode: str, args) -> tuple[object, callable]:
         sel, spec = build_selection(peft_model, cfg)
         return engine, iteration(sel, spec, get_mode("lora"), {"lora_rank": args.lora_rank, "adapter_tensors": len(sel),
                                                                "adapter_params": sel.numel()})
+    if mode == "lora_gemm":  # lora with GEMM_OUTS on while its units run (its steps are recorded then), side by side
+        from esrl.es import lowrank_kernel
+
+        engine, lora_unit = prepare("lora", args)
+
+        def unit():
+            lowrank_kernel.GEMM_OUTS = args.gemm_outs
+            try:
+                return lora_unit()
+            finally:
+                lowrank_kernel.GEMM_OUTS = None
+        return engine, unit
     if mode == "full":
         sel = select_params(model)
         perturber = Perturber(sel)
@@ -236,7 +250,8 @@ def main() -> None:
         from esrl.es import lowrank_kernel
 
         lowrank_kernel.COMPILED_TERMS = args.compiled_terms
-        lowrank_kernel.GEMM_OUTS = args.gemm_outs
+        # with a lora_gemm mode beside it, only that mode's units take the GEMM
+        lowrank_kernel.GEMM_OUTS = None if "lora_gemm" in (args.modes or "") else args.gemm_outs
         if args.attention == "any":
             from torch.nn.attention import SDPBackend
 

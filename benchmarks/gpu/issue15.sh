@@ -26,14 +26,13 @@
 # member terms and once with products and sums Inductor fuses (es_throughput.py --compiled-terms); FUSED_VARIANTS
 # picks among on:kernel,fused:kernel,fused:torch (each up to ~3 minutes).
 # next: what the next device session runs first within its 15 minutes (about 10 with the machine's start): the kernel
-# step at rank 8 (the GEMM against the kernel, ~1 minute), inside (~1 minute), the fused step with the kernel and with
-# Inductor's terms (issue 15's open levers for lora), then the GPU tests in what is left.
+# step at rank 8 (the GEMM against the kernel, ~1 minute), sbs (with lora_gemm beside lora where the GEMM won), the
+# fused step with Inductor's terms (issue 15's open levers for lora), then the GPU tests in what is left.
 # .whl holds the wheels the GPU image lacks (jsonargparse, docstring-parser, typeshed-client); .gpu/tok the
 # embedded model's config and tokenizer files (no weights).
 set -uo pipefail
 STEPS=${1:-profile,tests,bench1,bench2,e2e}
-NEXT=""; [ "$STEPS" = next ] && { NEXT=1; STEPS=tests,fused; FUSED_VARIANTS=${FUSED_VARIANTS:-fused:kernel,fused:torch}
-  TESTS_S=${TESTS_S:-100}; }  # ~3 minutes a fused variant (session 22), the tests in what is left of a 600 s call
+NEXT=""; [ "$STEPS" = next ] && { NEXT=1; STEPS=tests; FUSED_VARIANTS=${FUSED_VARIANTS:-fused:torch}; }
 OUT=${OUT:-/tmp/esrl_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
@@ -57,9 +56,32 @@ kernel() {  # launch_plan's blocks, the torch ops and the block-diagonal GEMM si
 inside() {  # the member terms inside the projection's GEMM, priced per projection before anyone builds it
   timeout ${INSIDE_S:-120} python3 benchmarks/gpu/inside_gemm.py 2>&1 | quiet | tee "$OUT/inside_gemm.jsonl" | grep -E 'per_step|Error'
 }
-# first: the measurements the session is for (lora's open levers: the GEMM at rank 8, the terms inside the GEMM,
-# Inductor's fused terms)
-[ -n "$NEXT" ] && { KERNEL_ARGS="--ranks 8 --factor-dtypes bfloat16" KERNEL_S=90 kernel; INSIDE_S=75 inside; fused; }
+gemm_outs() {  # the narrowest output width from which the GEMM beat the kernel at decode for every wider projection
+  python3 - "$OUT/lowrank_kernel.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith('{"rank"')]
+us = {r["tiles"]: r["us_per_call"] for r in rows if r["phase"] == "decode" and r["correct"] is True}
+widths = {"q": 1536, "k": 256, "v": 256, "o": 1536, "gate": 8960, "up": 8960, "down": 1536}
+if "kernel" in us and "gemm" in us:
+    wins = [w for w in sorted(set(widths.values()))
+            if all(us["gemm"][n] < 0.97 * us["kernel"][n] for n, v in widths.items() if v >= w)]
+    print(wins[0] if wins else "")
+PY
+}
+sbs() {  # the ratios side by side in one process, 3 rounds
+  (cd benchmarks && timeout ${SBS_S:-400} python3 es_throughput.py $BENCH --modes ${SBS_MODES:-floor,lowrank,lora,single} --compile on --rounds 3 ${SBS_ARGS:-} 2>&1 | tee "$OUT/bench_sbs${1:-}.log" | grep '^{')
+}
+# first: the measurements the session is for: the GEMM against the kernel at rank 8 (lora's decode terms), then, if it
+# won for some widths, lora with it beside lora with the kernel in one process; Inductor's fused terms; the tests in
+# what is left of a 600 s call
+if [ -n "$NEXT" ]; then
+  KERNEL_ARGS="--ranks 8 --factor-dtypes bfloat16" KERNEL_S=90 kernel
+  G=$(gemm_outs); echo "GEMM_OUTS pick: ${G:-none}" | tee "$OUT/gemm_pick.txt"
+  if [ -n "$G" ]; then SBS_S=200 SBS_MODES=floor,lowrank,lora,lora_gemm SBS_ARGS="--gemm-outs $G" sbs
+  else SBS_S=150 SBS_MODES=floor,lowrank,lora sbs; fi
+  fused
+  TESTS_S=$(( 585 - SECONDS > 30 ? 585 - SECONDS : 30 ))
+fi
 if has profile; then
   timeout 150 python3 benchmarks/gpu/decode_profile.py 2>&1 | quiet | tee "$OUT/decode_profile.log"
 fi
@@ -78,13 +100,11 @@ fi
 if has bench2; then
   (cd benchmarks && timeout 240 python3 es_throughput.py $BENCH --modes ${BENCH2_MODES:-lora,single,full} --compile on --repeats 2 --full-members 3 2>&1 | tee "$OUT/bench_compiled2.log" | grep '^{')
 fi
-if has sbs; then  # the ratios side by side: floor, lowrank, lora and one member's rows in one process, 3 rounds
-  (cd benchmarks && timeout ${SBS_S:-400} python3 es_throughput.py $BENCH --modes floor,lowrank,lora,single --compile on --rounds 3 ${SBS_ARGS:-} 2>&1 | tee "$OUT/bench_sbs.log" | grep '^{')
-fi
+has sbs && sbs
 if has host; then  # the iteration's work around its generate: loads and update, factors drawn once or twice
   (cd benchmarks && timeout 150 python3 es_host_work.py --model random:qwen2.5-1.5b --device cuda --rounds 5 2>&1 | tee "$OUT/host_work.log" | grep '^{')
 fi
-[ -z "$NEXT" ] && has fused && fused
+has fused && fused
 if has prefill; then  # the frozen head on a strided slice vs a gathered index (what the static decoder passes)
   (cd benchmarks && timeout 120 python3 prefill_head.py --model random:qwen2.5-1.5b --device cuda --rows 240 --tokenizer "$ESRL_TOKENIZER" 2>&1 | tee "$OUT/prefill_head.log" | grep '^{')
 fi
