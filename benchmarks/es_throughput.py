@@ -10,8 +10,6 @@ Each mode runs in its own fresh process (so the peak-RSS figures do not mix):
 - lora:    one whole ES iteration over a PEFT LoRA adapter (rank 8 on the 7 projections of every layer): the
            adapter's perturbed factors stacked per member, ONE batched generate of 60 rows with per-row adapter
            factors, rewards, the fp32 full-noise update in adapter space and the SGD step.
-- lora_gemm: lora with `--gemm-outs` in force for its units alone (side by side with lora: the GEMM against the
-           kernel in one process); without a lora_gemm mode, `--gemm-outs` applies to every mode.
 - full:    the paper's mode, member by member (perturb 135M weights, generate 2 rows, restore). Too slow to run
            all 30 members on a laptop CPU: `--full-members K` members are timed and the per-member mean is
            extrapolated to N (said so in the output); the update (30 full-size noise regenerations) is run for real.
@@ -119,18 +117,6 @@ def prepare(mode: str, args) -> tuple[object, callable]:
         sel, spec = build_selection(peft_model, cfg)
         return engine, iteration(sel, spec, get_mode("lora"), {"lora_rank": args.lora_rank, "adapter_tensors": len(sel),
                                                                "adapter_params": sel.numel()})
-    if mode == "lora_gemm":  # lora with GEMM_OUTS on while its units run (its steps are recorded then), side by side
-        from esrl.es import lowrank_kernel
-
-        engine, lora_unit = prepare("lora", args)
-
-        def unit():
-            lowrank_kernel.GEMM_OUTS = args.gemm_outs
-            try:
-                return lora_unit()
-            finally:
-                lowrank_kernel.GEMM_OUTS = None
-        return engine, unit
     if mode == "full":
         sel = select_params(model)
         perturber = Perturber(sel)
@@ -237,21 +223,10 @@ def main() -> None:
     ap.add_argument("--attention", choices=["repeatable", "any"], default="repeatable",
                     help="any: let PyTorch pick any SDPA kernel in rollouts, cuDNN's included (not bitwise "
                          "repeatable on a GPU): the cost of esrl's determinism is the time over this")
-    ap.add_argument("--compiled-terms", choices=["kernel", "torch"], default="kernel",
-                    help="how a torch.compile'd step (--compile fused) adds the ES terms: esrl's Triton kernel, or "
-                         "products and sums Inductor can fuse (esrl.es.lowrank_kernel.COMPILED_TERMS)")
-    ap.add_argument("--gemm-outs", type=int, default=None,
-                    help="decode terms above rank 1 of linears at least this wide by one block-diagonal GEMM instead "
-                         "of the kernel (esrl.es.lowrank_kernel.GEMM_OUTS; default off)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     if args.worker:
-        from esrl.es import lowrank_kernel
-
-        lowrank_kernel.COMPILED_TERMS = args.compiled_terms
-        # with a lora_gemm mode beside it, only that mode's units take the GEMM
-        lowrank_kernel.GEMM_OUTS = None if "lora_gemm" in (args.modes or "") else args.gemm_outs
         if args.attention == "any":
             from torch.nn.attention import SDPBackend
 
@@ -265,15 +240,12 @@ def main() -> None:
     machine = {"nproc": os.cpu_count(), "cpu": cpu_model(), "torch": torch.__version__,
                "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
                "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-               "model": args.model, "dtype": args.dtype, "attention": args.attention,
-               "compiled_terms": args.compiled_terms, "gemm_outs": args.gemm_outs}
+               "model": args.model, "dtype": args.dtype, "attention": args.attention}
     print(json.dumps({"machine": machine}))
     passthrough = [f"--members={args.members}", f"--new-tokens={args.new_tokens}", f"--rank={args.rank}",
                    f"--lora-rank={args.lora_rank}", f"--repeats={args.repeats}", f"--full-members={args.full_members}",
                    f"--prompts={args.prompts}", f"--model={args.model}", f"--device={args.device}",
-                   f"--dtype={args.dtype}", f"--tokenizer={args.tokenizer}", f"--attention={args.attention}",
-                   f"--compiled-terms={args.compiled_terms}"] + (
-                      [f"--gemm-outs={args.gemm_outs}"] if args.gemm_outs is not None else [])
+                   f"--dtype={args.dtype}", f"--tokenizer={args.tokenizer}", f"--attention={args.attention}"]
     compiles = args.compile.split(",")
     if not set(compiles) <= {"off", "auto", "on", "fused"}:
         ap.error(f"--compile: off, auto, on or fused (comma-separated), got {args.compile!r}")

@@ -43,21 +43,12 @@ def qwen(tmp_path_factory) -> str:
     return _random_qwen(tmp_path_factory.mktemp("qwen") / "bf16")
 
 
-@pytest.mark.parametrize(("mode", "compile", "terms"), [
-    ("full", "auto", "kernel"), ("lowrank", "auto", "kernel"), ("lora", "auto", "kernel"),
-    ("lowrank", "fused", "kernel"), ("lowrank", "fused", "torch"), ("lora", "fused", "torch"),
-    ("lora", "auto", "gemm")])
-def test_two_es_fits_give_identical_weights(qwen, tmp_path, monkeypatch, mode, compile, terms):
-    """terms: how a fused (torch.compile'd) step adds the member terms (esrl.es.lowrank_kernel.COMPILED_TERMS), or
-    "gemm": a decode step's terms above rank 1 by the block-diagonal GEMM (GEMM_OUTS 1: every linear)."""
-    from esrl.es import lowrank_kernel
-
+@pytest.mark.parametrize(("mode", "compile"), [
+    ("full", "auto"), ("lowrank", "auto"), ("lora", "auto"), ("lowrank", "fused"), ("lora", "fused")])
+def test_two_es_fits_give_identical_weights(qwen, tmp_path, mode, compile):
+    """compile "auto" is the recorded decode step on CUDA (the default); "fused" torch.compiles it first."""
     if mode == "lora":
         pytest.importorskip("peft")
-    if terms == "gemm":
-        monkeypatch.setattr(lowrank_kernel, "GEMM_OUTS", 1)
-    else:
-        monkeypatch.setattr(lowrank_kernel, "COMPILED_TERMS", terms)
     a, b = fit_weights(qwen, tmp_path / "a", mode, compile), fit_weights(qwen, tmp_path / "b", mode, compile)
     _assert_same(a, b)
 
@@ -188,27 +179,6 @@ def test_a_prefills_rows_take_the_torch_ops_above_rank_1_repeatably_within_two_r
     else:
         _torch_add_(torch_ops, xs, a_t, b_t)
     assert torch.equal(got, again) and torch.equal(got, torch_ops)
-    want = ys.double() + torch.bmm(torch.bmm(xs.double(), b_t.double().transpose(1, 2)), a_t.double())
-    scale = ys.double().abs() + torch.bmm(torch.bmm(xs.double().abs(), b_t.double().abs().transpose(1, 2)),
-                                          a_t.double().abs())
-    assert ((got.double() - want).abs() <= (want.abs() + scale) * 2 ** -8).all()
-
-
-def test_the_block_diagonal_gemm_terms_repeat_and_lie_within_two_roundings():
-    """GEMM_OUTS' path at a decode step's shapes (30 members x 8 rows, rank 8, gate_proj's 1536 -> 8960): cuBLAS
-    repeats bit for bit, and each row sums its own member's products only (two bf16 roundings of the fp64 sum)."""
-    from esrl.es.lowrank_kernel import _gemm_add_
-
-    torch.manual_seed(8)
-    m, n, n_in, n_out, rank = 30, 8, 1536, 8960, 8
-    ys = torch.randn(m, n, n_out, device="cuda").bfloat16()
-    xs = torch.randn(m, n, n_in, device="cuda").bfloat16()
-    a_t = (torch.randn(m, rank, n_out, device="cuda") * 0.1).bfloat16()
-    b_t = (torch.randn(m, rank, n_in, device="cuda") * 0.1).bfloat16()
-    got, again = ys.clone(), ys.clone()
-    _gemm_add_(got, xs, a_t, b_t)
-    _gemm_add_(again, xs, a_t, b_t)
-    assert torch.equal(got, again)
     want = ys.double() + torch.bmm(torch.bmm(xs.double(), b_t.double().transpose(1, 2)), a_t.double())
     scale = ys.double().abs() + torch.bmm(torch.bmm(xs.double().abs(), b_t.double().abs().transpose(1, 2)),
                                           a_t.double().abs())

@@ -10,29 +10,26 @@
 # tiles: benchmarks/gpu/lowrank_tiles.py (the member-term kernel's block sizes, per 1.5B projection, rank 1 and 8).
 # kernel: the same, launch_plan's blocks only, side by side: lora's rank-8 factors in bf16 (its buffers) or fp32, q, k
 # and v's terms in one launch or three (`one_over_three`, `ms_saved_per_step`), and the torch ops against the kernel
-# at decode and prefill (`torch_over_kernel`; above KERNEL_ROWS rows a member, ranks over 1 take the torch ops), and the
-# block-diagonal GEMM (`gemm_over_kernel`, per projection in best_per_shape: what GEMM_OUTS should be). KERNEL_ARGS
-# overrides its ranks and factor dtypes.
+# at decode and prefill (`torch_over_kernel`; above KERNEL_ROWS rows a member, ranks over 1 take the torch ops).
+# KERNEL_ARGS overrides its ranks and factor dtypes.
 # inside: benchmarks/gpu/inside_gemm.py (the member terms inside each projection's GEMM, [x | C] @ [W | A_all^T]^T,
 # against the GEMM then the kernel, per projection and over a step, ranks 1 and 8).
-# SBS_ARGS adds es_throughput.py flags to sbs (e.g. "--gemm-outs 8960").
+# SBS_ARGS adds es_throughput.py flags to sbs (e.g. "--rank 2"); SBS_MODES overrides its modes.
 # TILES_S, SBS_S and TESTS_S override the tiles, sbs and tests steps' time limits (seconds).
 # host: benchmarks/es_host_work.py (a chunk's load and the update, with and without reusing the load's draws).
 # memory: benchmarks/memory_over_steps.py on CUDA (RSS and allocated memory after each of 300 steps: no growth).
 # prefill: benchmarks/prefill_head.py (a frozen lm_head on the prompts' last positions, by slice or by index).
 # determinism: floor and lowrank, recorded and eager, with esrl's repeatable attention and with any kernel.
 # fused: floor, lowrank and lora with rollout.compile: fused (the step torch.compile'd, then recorded) beside the
-# recorded-only path, in one call each so their ratios are side by side; the fused step once with esrl's kernel for the
-# member terms and once with products and sums Inductor fuses (es_throughput.py --compiled-terms); FUSED_VARIANTS
-# picks among on:kernel,fused:kernel,fused:torch (each up to ~3 minutes).
-# next: what the next device session runs first within its 15 minutes (about 10 with the machine's start): the kernel
-# step at rank 8 (the GEMM against the kernel, ~1 minute), sbs (with lora_gemm beside lora where the GEMM won), the
-# fused step with Inductor's terms (issue 15's open levers for lora), then the GPU tests in what is left.
+# recorded-only path, in one call each so their ratios are side by side; FUSED_COMPILES picks among "on fused" (each up
+# to ~3 minutes).
+# next: what the next device session runs first within its 15 minutes (about 7 with the machine's start): inside
+# (lora's one unpriced lever, ~1 minute), the GPU tests (~3 minutes), then floor, lowrank and lora side by side.
 # .whl holds the wheels the GPU image lacks (jsonargparse, docstring-parser, typeshed-client); .gpu/tok the
 # embedded model's config and tokenizer files (no weights).
 set -uo pipefail
 STEPS=${1:-profile,tests,bench1,bench2,e2e}
-NEXT=""; [ "$STEPS" = next ] && { NEXT=1; STEPS=tests; FUSED_VARIANTS=${FUSED_VARIANTS:-fused:torch}; }
+NEXT=""; [ "$STEPS" = next ] && { NEXT=1; STEPS=tests,sbs; SBS_MODES=${SBS_MODES:-floor,lowrank,lora}; }
 OUT=${OUT:-/tmp/esrl_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
@@ -43,45 +40,24 @@ has() { [[ ",$STEPS," == *",$1,"* ]]; }
 quiet() { grep -v -E "Warning: |warn_once\(|warnings\.warn\("; }  # Python's warning lines, not pytest's summary
 BENCH="--model random:qwen2.5-1.5b --device cuda --prompts 8 --new-tokens 256 --members 30 --tokenizer $PWD/.gpu/tok"
 
-FUSED_VARIANTS=${FUSED_VARIANTS:-on:kernel,fused:kernel,fused:torch}
-fused() {  # recorded only; torch.compile'd with the Triton kernel; torch.compile'd with terms Inductor fuses
-  for v in ${FUSED_VARIANTS//,/ }; do
-    (cd benchmarks && timeout 280 python3 es_throughput.py $BENCH --modes floor,lowrank,lora --compile ${v%:*} --compiled-terms ${v#*:} --repeats 2 2>&1 | tee "$OUT/bench_${v/:/_}.log" | grep '^{')
+fused() {  # recorded only, then torch.compile'd and recorded, each in one process (~3 minutes each)
+  for c in ${FUSED_COMPILES:-on fused}; do
+    (cd benchmarks && timeout 280 python3 es_throughput.py $BENCH --modes floor,lowrank,lora --compile $c --repeats 2 2>&1 | tee "$OUT/bench_$c.log" | grep '^{')
   done
 }
-kernel() {  # launch_plan's blocks, the torch ops and the block-diagonal GEMM side by side, per projection
+kernel() {  # launch_plan's blocks and the torch ops side by side, per projection
   timeout ${KERNEL_S:-240} python3 benchmarks/gpu/lowrank_tiles.py ${KERNEL_ARGS:---ranks 1,8 --factor-dtypes bfloat16,float32} \
     --default-only 2>&1 | quiet | tee "$OUT/lowrank_kernel.jsonl" | grep -E '"best"|"qkv"|Error'
 }
 inside() {  # the member terms inside the projection's GEMM, priced per projection before anyone builds it
   timeout ${INSIDE_S:-120} python3 benchmarks/gpu/inside_gemm.py 2>&1 | quiet | tee "$OUT/inside_gemm.jsonl" | grep -E 'per_step|Error'
 }
-gemm_outs() {  # the narrowest output width from which the GEMM beat the kernel at decode for every wider projection
-  python3 - "$OUT/lowrank_kernel.jsonl" <<'PY'
-import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith('{"rank"')]
-us = {r["tiles"]: r["us_per_call"] for r in rows if r["phase"] == "decode" and r["correct"] is True}
-widths = {"q": 1536, "k": 256, "v": 256, "o": 1536, "gate": 8960, "up": 8960, "down": 1536}
-if "kernel" in us and "gemm" in us:
-    wins = [w for w in sorted(set(widths.values()))
-            if all(us["gemm"][n] < 0.97 * us["kernel"][n] for n, v in widths.items() if v >= w)]
-    print(wins[0] if wins else "")
-PY
-}
 sbs() {  # the ratios side by side in one process, 3 rounds
   (cd benchmarks && timeout ${SBS_S:-400} python3 es_throughput.py $BENCH --modes ${SBS_MODES:-floor,lowrank,lora,single} --compile on --rounds 3 ${SBS_ARGS:-} 2>&1 | tee "$OUT/bench_sbs${1:-}.log" | grep '^{')
 }
-# first: the measurements the session is for: the GEMM against the kernel at rank 8 (lora's decode terms), then, if it
-# won for some widths, lora with it beside lora with the kernel in one process; Inductor's fused terms; the tests in
-# what is left of a 600 s call
-if [ -n "$NEXT" ]; then
-  KERNEL_ARGS="--ranks 8 --factor-dtypes bfloat16" KERNEL_S=90 kernel
-  G=$(gemm_outs); echo "GEMM_OUTS pick: ${G:-none}" | tee "$OUT/gemm_pick.txt"
-  if [ -n "$G" ]; then SBS_S=200 SBS_MODES=floor,lowrank,lora,lora_gemm SBS_ARGS="--gemm-outs $G" sbs
-  else SBS_S=150 SBS_MODES=floor,lowrank,lora sbs; fi
-  fused
-  TESTS_S=$(( 585 - SECONDS > 30 ? 585 - SECONDS : 30 ))
-fi
+# first: the measurement the session is for (the one lever for lora not priced yet: the terms inside the GEMM), then
+# the GPU tests (lora's two fused fits are new), then the ratios side by side; about 6 minutes
+if [ -n "$NEXT" ]; then INSIDE_S=75 inside; TESTS_S=240; fi
 if has profile; then
   timeout 150 python3 benchmarks/gpu/decode_profile.py 2>&1 | quiet | tee "$OUT/decode_profile.log"
 fi

@@ -8,9 +8,9 @@ within one bf16 rounding of the fp64 sum (plus fp32's error in long sums), and p
 config; the first two: launch_plan's default and the torch ops instead of the kernel) with GPU microseconds per
 call and the sum over the model's 196 perturbed linears (28 layers x the 7 shapes: one decode step, or one prefill),
 then the best config per rank and phase beside the default, the best per projection, the torch ops' time over the
-kernel's (`torch_over_kernel`: which one esrl should take at decode and at prefill, `KERNEL_ROWS`), the block-diagonal
-GEMM's (`gemm_over_kernel`, per projection in `best_per_shape`: which widths `GEMM_OUTS` should give it) and which
-esrl takes.
+kernel's (`torch_over_kernel`: which one esrl should take at decode and at prefill, `KERNEL_ROWS`) and which esrl
+takes. (A block-diagonal dense GEMM for lora's decode terms was timed here too: 1.58x the kernel over a step, H100,
+session 28; `git show 8edb4c2:src/esrl/es/lowrank_kernel.py` has its `_gemm_add_`.)
 
     PYTHONPATH=src python3 benchmarks/gpu/lowrank_tiles.py [--ranks 1,8] [--factor-dtypes bfloat16] [--reps 50]
                                                            [--default-only]
@@ -35,7 +35,6 @@ CONFIGS = [dict(BLOCK_IN=i, BLOCK_OUT=o, num_warps=w)
            for i, o, w in itertools.product([256, 512, 1024, 2048], [512, 1024, 4096], [4, 8])]
 KERNEL = {}  # launch_plan's block sizes (given, the kernel runs at any rows per member)
 TORCH = "torch"  # the torch ops (batched GEMMs) instead of the kernel: what a prefill takes above KERNEL_ROWS
-GEMM = "gemm"  # the block-diagonal dense GEMM (`_gemm_add_`): what GEMM_OUTS gives wide linears at decode
 
 
 def time_us(fn, reps: int) -> float:
@@ -84,7 +83,7 @@ def one_launch_for_qkv(rank: int, factor_dtype, members: int, rows: int, phase: 
 
 
 def main() -> None:
-    from esrl.es.lowrank_kernel import KERNEL_ROWS, _gemm_add_, _torch_add_, kernel_takes, lowrank_add_
+    from esrl.es.lowrank_kernel import KERNEL_ROWS, _torch_add_, kernel_takes, lowrank_add_
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", default="1,8")
@@ -101,9 +100,8 @@ def main() -> None:
         for phase, rows in (("decode", args.rows), ("prefill", args.rows * args.prompt)):
             reps = args.reps if phase == "decode" else max(3, args.reps // 10)
             results = []
-            for tiles in [KERNEL, TORCH, GEMM] + ([] if args.default_only else CONFIGS):
-                add = {TORCH: _torch_add_, GEMM: _gemm_add_}.get(tiles) if isinstance(tiles, str) else (
-                    lambda *t: lowrank_add_(*t, tiles))
+            for tiles in [KERNEL, TORCH] + ([] if args.default_only else CONFIGS):
+                add = _torch_add_ if tiles == TORCH else (lambda *t: lowrank_add_(*t, tiles))
                 total, per_shape, ok = 0.0, {}, True
                 for name, (n_in, n_out) in SHAPES.items():
                     ys, xs, a_t, b_t = inputs(args.members, rows, n_in, n_out, rank, factor_dtype)
@@ -132,15 +130,13 @@ def main() -> None:
                 continue
             best = min(results, key=lambda r: r["ms_all_linears"])
             ms = lambda tiles: next((r["ms_all_linears"] for r in results if r["tiles"] == (tiles or "kernel")), None)
-            kernel, torch_ops, gemm = ms(KERNEL), ms(TORCH), ms(GEMM)
+            kernel, torch_ops = ms(KERNEL), ms(TORCH)
             per_shape = {name: min(((r["us_per_call"][name], r["tiles"]) for r in results), key=lambda b: b[0])
                          for name in SHAPES}
             print(json.dumps({"best": best, "kernel_ms_all_linears": kernel, "torch_ms_all_linears": torch_ops,
                               "kernel_over_best": kernel and round(kernel / best["ms_all_linears"], 3),
                               "best_per_shape": per_shape,
                               "torch_over_kernel": kernel and torch_ops and round(torch_ops / kernel, 3),
-                              "gemm_ms_all_linears": gemm,
-                              "gemm_over_kernel": kernel and gemm and round(gemm / kernel, 3),
                               "esrl_takes": "kernel" if kernel_takes(rank, rows) else "torch"}), flush=True)
             if rows <= KERNEL_ROWS:  # q, k and v in one launch at decode
                 print(json.dumps(one_launch_for_qkv(rank, factor_dtype, args.members, rows, phase, reps)), flush=True)

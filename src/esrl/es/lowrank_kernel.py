@@ -86,26 +86,9 @@ rank 1 the kernel's per-row factor reads cost no more than the row's own x and y
 43 ms, so rank 1 takes the kernel at any rows."""
 
 
-
 def kernel_takes(rank: int, rows_per_member: int) -> bool:
     """Whether a GPU adds terms of this rank with the kernel (else the torch ops): KERNEL_ROWS' rule."""
     return rows_per_member <= KERNEL_ROWS or rank == 1
-
-
-COMPILED_TERMS = "kernel"
-"""How a decode step that torch.compile traces (rollout.compile: fused) adds the terms. "kernel": this kernel, which
-Inductor calls as it is; "torch": products and sums in fp32 (`_fusable_add_`), which Inductor can fuse with the ops
-around them (the norm that makes x, the rotary, activation or residual add that reads y) instead of a launch per
-linear. On an H100 the fused step with "kernel" added what the recorded one adds (lowrank +0.21 s, lora +0.45 s) to a
-1.34 s floor (session 22); "torch" is not timed yet: `es_throughput.py --compile fused --compiled-terms torch`."""
-
-
-GEMM_OUTS: int | None = None
-"""Off (None), or an output width from which a decode step's terms at ranks above 1 take `_gemm_add_` (two launches)
-instead of the kernel (one): the out-side factors of all members read once by one dense GEMM, where the kernel
-re-reads its member's per row from L2 (at rank 8, 143 KB a row for gate_proj: 11 us a call against rank 1's 3.6 us,
-H100, session 22). Not timed on a GPU yet: `benchmarks/gpu/lowrank_tiles.py` times it beside the kernel per
-projection (`gemm_over_kernel`), `es_throughput.py --gemm-outs` in the decode path."""
 
 
 def launch_plan(rank: int, rows_per_member: int, n_outs: tuple[int, ...], tiles: dict | None = None):
@@ -144,11 +127,9 @@ def lowrank_add_linears_(terms: list[tuple[torch.Tensor, torch.Tensor, torch.Ten
                          tiles: dict | None = None) -> None:
     """lowrank_add_ for linears that read the same xs, each (ys, a_t, b_t) of one rank and dtypes: one kernel launch
     for up to MAX_LINEARS of them on a GPU (the same sums as one launch each) up to KERNEL_ROWS rows per member (at
-    rank 1 at any rows), the torch ops one linear at a time elsewhere; in a traced step, COMPILED_TERMS decides."""
-    if COMPILED_TERMS == "torch" and torch.compiler.is_compiling():
-        for ys, a_t, b_t in terms:
-            _fusable_add_(ys, xs, a_t, b_t)
-        return
+    rank 1 at any rows), the torch ops one linear at a time elsewhere. A torch.compile'd step calls the kernel as it is
+    (products and sums for Inductor to fuse instead were slower for lora on an H100, 1.87x the fused floor against the
+    kernel's 1.34x, and not bit-repeatable: RESULTS, session 28)."""
     if len({(ys.dtype, a_t.dtype, b_t.dtype, a_t.shape[1]) for ys, a_t, b_t in terms}) > 1:  # one kernel build each
         for term in terms:
             lowrank_add_linears_([term], xs, tiles)
@@ -157,14 +138,6 @@ def lowrank_add_linears_(terms: list[tuple[torch.Tensor, torch.Tensor, torch.Ten
     rank = terms[0][1].shape[1]
     on_kernel = triton is not None and (terms[0][0].is_cuda or INTERPRETED) and (
         kernel_takes(rank, n) or tiles is not None)
-    if on_kernel and GEMM_OUTS is not None and rank > 1 and tiles is None:
-        wide = [t[0].shape[-1] >= GEMM_OUTS and t[0].is_contiguous() for t in terms]
-        for (ys, a_t, b_t), is_wide in zip(terms, wide):
-            if is_wide:
-                _gemm_add_(ys, xs, a_t, b_t)
-        terms = [t for t, is_wide in zip(terms, wide) if not is_wide]
-        if not terms:
-            return
     if on_kernel and all(t[0].is_contiguous() for t in terms):
         xs = xs.reshape(m * n, xs.shape[-1])
         if xs.stride(-1) != 1:
@@ -194,41 +167,3 @@ def _torch_add_(ys: torch.Tensor, xs: torch.Tensor, a_t: torch.Tensor, b_t: torc
         ys.addcmul_(torch.bmm(xs, b_t.transpose(1, 2)), a_t)
     else:
         ys.baddbmm_(torch.bmm(xs, b_t.transpose(1, 2)), a_t)
-
-
-_BLOCKS: dict[tuple, torch.Tensor] = {}
-"""`_gemm_add_`'s (M, n, M, r) buffers, one per shape: off their diagonal blocks they stay zero, so one serves every
-linear of a step (the terms are added one after another) and a recorded step pays no launch to clear it."""
-
-
-def _gemm_add_(ys: torch.Tensor, xs: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor) -> None:
-    """The terms in two launches that read each factor once: c = x.B per member (bmm) written straight into the
-    diagonal blocks of a (rows, members x rank) matrix of zeros, which one dense GEMM multiplies by every member's
-    out-side factors stacked (members x rank, out), adding to ys in place. The zeros add exact zeros, so each row sums
-    its own member's rank products (c rounded to the factors' dtype first, as the torch ops round it); the GEMM does
-    members-fold the needed products, which tensor cores absorb at decode's few rows. In a traced step (torch.compile)
-    the blocks are made afresh, for Inductor to fuse."""
-    m, n, r = ys.shape[0], ys.shape[1], a_t.shape[1]
-    x_b = (xs.to(a_t.dtype), b_t.transpose(1, 2))  # c = x.B from these; fp32 factors: computed there, added once
-    if torch.compiler.is_compiling():
-        blocks = a_t.new_zeros(m, n, m, r)
-        torch.diagonal(blocks, dim1=0, dim2=2).copy_(torch.bmm(*x_b).permute(1, 2, 0))
-    else:
-        # a buffer made under inference_mode (engines generate there) is an inference tensor: not writable outside
-        key = (m, n, r, a_t.dtype, a_t.device, torch.is_inference_mode_enabled())
-        if key not in _BLOCKS:
-            _BLOCKS[key] = a_t.new_zeros(m, n, m, r)
-        blocks = _BLOCKS[key]
-        torch.bmm(*x_b, out=torch.diagonal(blocks, dim1=0, dim2=2).permute(2, 0, 1))  # each member's own block
-    rows, stacked = blocks.view(m * n, m * r), a_t.reshape(m * r, -1)
-    if a_t.dtype == ys.dtype:
-        ys.view(m * n, -1).addmm_(rows, stacked)
-    else:
-        ys.view(m * n, -1).add_(torch.mm(rows, stacked).to(ys.dtype))
-
-
-def _fusable_add_(ys: torch.Tensor, xs: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor) -> None:
-    """The kernel's math as broadcast products and sums for Inductor to fuse (c = x.B and the term in fp32, ys rounded
-    once). Eagerly it would build (M, n, r, in) and (M, n, r, out) products: for traced steps only."""
-    c = (xs.unsqueeze(-2).float() * b_t.unsqueeze(1).float()).sum(-1)  # (M, n, r)
-    ys.copy_(ys.float() + (c.unsqueeze(-1) * a_t.unsqueeze(1).float()).sum(-2))
