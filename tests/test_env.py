@@ -134,3 +134,13 @@ def test_env_config_checks_the_fields_as_fit_does(tmp_path):
     assert "model.es has no option populaton_size" in out.stderr.strip().splitlines()[-1]
     good = run_esrl("env", "--config", ROOT / "configs/demo/es_conciseness.yaml")
     assert good.returncode == 0 and "- [ok] its fields, as `esrl fit` checks them" in good.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU config on a machine without one")
+def test_env_config_words_a_missing_gpu_once():
+    """A GPU config on a CPU: the GPU is missing, and fit's refusal of the same field points at that line instead of
+    wording it again (it did)."""
+    out = run_esrl("env", "--config", ROOT / "configs/es_conciseness.yaml")
+    assert out.returncode == 2
+    assert out.stdout.count("CUDA GPU(s)") == 1, out.stdout
+    assert "- [refused] its fields, as `esrl fit` checks them: trainer.accelerator: gpu, above" in out.stdout

@@ -124,8 +124,10 @@ def main(argv: list[str] | None = None) -> None:
 
     refused = check_fit_args([("esrl fit", ["--config", args.config, *(["--algo", args.algo] if args.algo else [])])],
                              defer=True)  # its keys, types and values, as fit checks them before a model loads
-    print(f"- [{'refused' if refused else 'ok'}] its fields, as `esrl fit` checks them" + (f": {refused}" if refused
-                                                                                          else ""))
+    # a refusal of a field already missing above (a GPU config on a CPU) is named, not worded a second time
+    again = next((n.field for n in needs if n.status == "missing" and refused and n.field in str(refused)), None)
+    print(f"- [{'refused' if refused else 'ok'}] its fields, as `esrl fit` checks them" + (
+        f": {again}, above" if again else f": {refused}" if refused else ""))
     if refused and not missing:  # else it is likely one of them, as fit words it (printed above either way)
         missing.append(str(refused))
     if broken and not any("ESRL_CACHE" in line for line in missing):
