@@ -23,13 +23,15 @@
 # fused: floor, lowrank and lora with rollout.compile: fused (the step torch.compile'd, then recorded) beside the
 # recorded-only path, in one call each so their ratios are side by side; FUSED_COMPILES picks among "on fused" (each up
 # to ~3 minutes).
-# next: what the next device session runs first within its 15 minutes (about 7 with the machine's start): inside
-# (lora's one unpriced lever, ~1 minute), the GPU tests (~3 minutes), then floor, lowrank and lora side by side.
+# next: what the next device session runs first within its 15 minutes (about 9 with the machine's start): inside
+# (lora's one unpriced lever, ~1 minute), lora's recorded step profiled beside the floor's (where its ~0.1 ms a step
+# over the kernel's own 1.25 ms goes), the GPU tests (~3 minutes), then floor, lowrank and lora side by side.
+# PROFILE_ARGS: decode_profile.py's flags.
 # .whl holds the wheels the GPU image lacks (jsonargparse, docstring-parser, typeshed-client); .gpu/tok the
 # embedded model's config and tokenizer files (no weights).
 set -uo pipefail
 STEPS=${1:-profile,tests,bench1,bench2,e2e}
-NEXT=""; [ "$STEPS" = next ] && { NEXT=1; STEPS=tests,sbs; SBS_MODES=${SBS_MODES:-floor,lowrank,lora}; }
+NEXT=""; [ "$STEPS" = next ] && { NEXT=1; STEPS=profile,tests,sbs; PROFILE_ARGS=${PROFILE_ARGS:---modes floor,lora}; SBS_MODES=${SBS_MODES:-floor,lowrank,lora}; }
 OUT=${OUT:-/tmp/esrl_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
@@ -56,10 +58,10 @@ sbs() {  # the ratios side by side in one process, 3 rounds
   (cd benchmarks && timeout ${SBS_S:-400} python3 es_throughput.py $BENCH --modes ${SBS_MODES:-floor,lowrank,lora,single} --compile on --rounds 3 ${SBS_ARGS:-} 2>&1 | tee "$OUT/bench_sbs${1:-}.log" | grep '^{')
 }
 # first: the measurement the session is for (the one lever for lora not priced yet: the terms inside the GEMM), then
-# the GPU tests (lora's two fused fits are new), then the ratios side by side; about 6 minutes
+# the profile, the GPU tests (lora's two fused fits are new), then the ratios side by side; about 8 minutes
 if [ -n "$NEXT" ]; then INSIDE_S=75 inside; TESTS_S=240; fi
 if has profile; then
-  timeout 150 python3 benchmarks/gpu/decode_profile.py 2>&1 | quiet | tee "$OUT/decode_profile.log"
+  timeout 150 python3 benchmarks/gpu/decode_profile.py ${PROFILE_ARGS:-} 2>&1 | quiet | tee "$OUT/decode_profile.log"
 fi
 if has tests; then
   timeout ${TESTS_S:-420} python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider --durations=8 2>&1 | quiet | tee "$OUT/gpu_tests.log" | tail -15
