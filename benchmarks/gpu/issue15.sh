@@ -3,7 +3,7 @@
 # floor, lowrank, lora, a single member's generate and full mode), then configs/es_conciseness.yaml end to end.
 # Steps run in order of priority, each under its own time limit; everything lands in $OUT.
 #
-#   device run (carry .whl .gpu):  bash benchmarks/gpu/issue15.sh [steps]   steps: next or profile,tests,kernel,inside,tiles,bench1,bench2,sbs,fused,host,prefill,determinism,memory,e2e
+#   device run (carry .whl .gpu):  bash benchmarks/gpu/issue15.sh [steps]   steps: next or profile,tests,kernel,inside,tiles,bench1,bench2,sbs,deepspeed,fused,host,prefill,determinism,memory,e2e
 # E2E_ARGS adds esrl fit flags to e2e (e.g. "--model.rollout.compile fused"); DET_COMPILE=on limits determinism to the
 # recorded path (the default on CUDA); BENCH2_MODES overrides bench2's modes (e.g. single,full).
 # sbs: the same rows side by side in ONE process (es_throughput.py --rounds), so their ratios share the machine's state.
@@ -26,12 +26,13 @@
 # next: what the next device session runs first within its 15 minutes (about 9 with the machine's start): inside
 # (lora's one unpriced lever, ~1 minute), lora's recorded step profiled beside the floor's (where its ~0.1 ms a step
 # over the kernel's own 1.25 ms goes), the GPU tests (~3 minutes), then floor, lowrank and lora side by side.
-# PROFILE_ARGS: decode_profile.py's flags.
+# PROFILE_ARGS: decode_profile.py's flags. deepspeed: tests/test_gpu_deepspeed.py (GRPO under ZeRO 1 and 2, never run
+# yet) after installing DeepSpeed from .whl/ds (prepare.sh), in what is left of 585 s or DEEPSPEED_S seconds.
 # .whl holds the wheels the GPU image lacks (jsonargparse, docstring-parser, typeshed-client); .gpu/tok the
 # embedded model's config and tokenizer files (no weights).
 set -uo pipefail
 STEPS=${1:-profile,tests,bench1,bench2,e2e}
-NEXT=""; [ "$STEPS" = next ] && { NEXT=1; STEPS=profile,tests,sbs; PROFILE_ARGS=${PROFILE_ARGS:---modes floor,lora}; SBS_MODES=${SBS_MODES:-floor,lowrank,lora}; }
+NEXT=""; [ "$STEPS" = next ] && { NEXT=1; STEPS=profile,tests,sbs,deepspeed; PROFILE_ARGS=${PROFILE_ARGS:---modes floor,lora}; SBS_MODES=${SBS_MODES:-floor,lowrank,lora}; }
 OUT=${OUT:-/tmp/esrl_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
@@ -79,6 +80,16 @@ if has bench2; then
   (cd benchmarks && timeout 240 python3 es_throughput.py $BENCH --modes ${BENCH2_MODES:-lora,single,full} --compile on --repeats 2 --full-members 3 2>&1 | tee "$OUT/bench_compiled2.log" | grep '^{')
 fi
 has sbs && sbs
+if has deepspeed; then  # GRPO's GPU tests under ZeRO (tests/test_gpu_deepspeed.py): DeepSpeed from its source archive
+  left=$(( ${DEEPSPEED_S:-585 - SECONDS} ))
+  if [ "$left" -gt 60 ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/ds/*.whl &&
+    DS_BUILD_OPS=0 timeout 120 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
+      --target /tmp/site .whl/ds/deepspeed-*.tar.gz 2>&1 | tail -3
+    timeout $(( ${DEEPSPEED_S:-585 - SECONDS} )) python3 -m pytest -q -m gpu tests/test_gpu_deepspeed.py -p no:cacheprovider \
+      --durations=5 2>&1 | quiet | tee "$OUT/gpu_deepspeed.log" | tail -15
+  else echo "deepspeed: skipped, ${left} s left"; fi
+fi
 if has host; then  # the iteration's work around its generate: loads and update, factors drawn once or twice
   (cd benchmarks && timeout 150 python3 es_host_work.py --model random:qwen2.5-1.5b --device cuda --rounds 5 2>&1 | tee "$OUT/host_work.log" | grep '^{')
 fi
