@@ -145,3 +145,16 @@ def test_entropies_are_trls_and_the_step_logs_trls_other_metrics(tiny_model, tmp
     lengths = torch.cat([r.lengths for r in module._rollouts]).float()
     ended = lengths[~torch.cat([r.truncated for r in module._rollouts])]
     assert row["train/terminated_length_mean"] == (float(ended.mean()) if ended.numel() else 0.0)
+
+
+def test_a_metric_a_reward_function_logs_is_the_mean_of_the_steps_calls(tiny_model, tmp_path):
+    """log_metric, as TRL's: one value per call (here the call's total length), train/<name> their mean over the
+    optimizer step's micro-batches (2 calls), not the last micro-batch's."""
+    def length(prompts, completions, log_metric, **_):
+        values = [float(len(completion_text(c))) for c in completions]
+        log_metric("chars", sum(values))
+        return values
+
+    module, row = _fit(tiny_model, tmp_path, length)
+    sums = [float(r.rewards.sum()) for r in module._rollouts]
+    assert len(sums) == 2 and math.isclose(row["train/chars"], sum(sums) / 2, rel_tol=1e-6)

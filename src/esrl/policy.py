@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from statistics import fmean
 from types import SimpleNamespace
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import lightning as L
 import torch
@@ -20,6 +20,7 @@ from esrl.models.lora import save_final
 from esrl.rollout import AdapterSpec, RolloutConfig, build_engine
 from esrl.scoring.lagrangian import find_constrained_reward
 from esrl.tasks import Task
+from esrl.tasks.reward_logs import RewardLogs
 
 
 @dataclass
@@ -59,6 +60,7 @@ class PolicyModule(L.LightningModule):
         self._timings: dict[str, float] = {}  # this step's time split, logged as time/<key>
         self._lagrangian_state: dict[str, Any] | None = None  # restored from a checkpoint, applied at train start
         self._compiles_reported = 0
+        self.reward_logs = RewardLogs()  # what reward functions log in training (log_metric), until logged
 
     def seed_or_global(self, seed: int | None) -> int:
         """A configured seed, else the run's seed_everything value (Lightning exports it as PL_GLOBAL_SEED)."""
@@ -126,21 +128,30 @@ class PolicyModule(L.LightningModule):
                                     stop=self.stop_strings(),
                                     num_return_sequences=n, seed=seed)
 
-    def reward_context(self) -> dict[str, Any]:
+    def reward_context(self, logs: RewardLogs | None = None) -> dict[str, Any]:
         """What TRL hands its reward functions besides the data: trainer_state (global_step, max_steps, epoch, the
-        fields of transformers' TrainerState a reward schedule reads)."""
+        fields of transformers' TrainerState a reward schedule reads), log_metric and log_extra (into `logs`, by
+        default the training step's)."""
         state = SimpleNamespace(global_step=self.global_step, epoch=self.current_epoch,  # 0 without a Trainer
                                 max_steps=self._trainer.max_steps if self._trainer is not None else None)
-        return {"trainer_state": state}
+        return {"trainer_state": state, **(logs or self.reward_logs).context()}
+
+    def reward_metrics(self, logged: Iterable[str]) -> dict[str, float]:
+        """train/<name> for what reward functions logged since the last call, pooled over processes (a collective:
+        the training step's logging calls it on every process); a name esrl logs itself (`logged`) is refused."""
+        own = [k.removeprefix("train/") for k in logged]
+        return {f"train/{k}": v for k, v in self.reward_logs.take(reserved=own).items()}
 
     def score_rows(self, rows: Sequence[dict[str, Any]], completions) -> dict[str, list[float]]:
-        """Per-sample task reward and metrics of completions (one per row)."""
-        texts = [c.text for c in completions]
-        values = {"reward": self.task.rewards(rows, texts, [c.token_ids for c in completions],
-                                              **self.reward_context())}
-        values.update(self.task.metrics(rows, texts))
+        """Per-sample task reward and metrics of completions (one per row); a metric a reward function logged
+        (log_metric) counts its calls' mean for every sample."""
+        texts, ids = [c.text for c in completions], [c.token_ids for c in completions]
+        logs = RewardLogs()
+        values = {"reward": self.task.rewards(rows, texts, ids, **self.reward_context(logs))}
+        values.update(self.task.metrics(rows, texts, ids, **self.reward_context(logs)))
         values["completion_tokens"] = [float(len(c.token_ids)) for c in completions]
         values["truncated"] = [float(c.truncated) for c in completions]
+        logs.add_to(values)
         return values
 
     def evaluate_rows(self, rows: Sequence[dict[str, Any]]) -> dict[str, list[float]]:

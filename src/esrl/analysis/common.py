@@ -23,6 +23,7 @@ from esrl.es.params import ParamSelection
 from esrl.rollout.base import Completion
 from esrl.rollout.hf import HFEngine
 from esrl.tasks import Task
+from esrl.tasks.reward_logs import RewardLogs
 
 
 class AnalysisError(EsrlError, ValueError):
@@ -158,10 +159,12 @@ class RewardEvaluator:
     def score(self, completions: Sequence[Completion], n: int = 1) -> dict[str, list[float]]:
         """Per-sample reward and task metrics; completions are row-major with n per row."""
         rows = [r for r in self.rows for _ in range(n)]
-        texts = [c.text for c in completions]
-        values = {"reward": self.task.rewards(rows, texts, [c.token_ids for c in completions],
-                                              trainer_state=ANALYSIS_STATE)}
-        values.update(self.task.metrics(rows, texts))
+        texts, ids = [c.text for c in completions], [c.token_ids for c in completions]
+        logs = RewardLogs()
+        context = {"trainer_state": ANALYSIS_STATE, **logs.context()}
+        values = {"reward": self.task.rewards(rows, texts, ids, **context)}
+        values.update(self.task.metrics(rows, texts, ids, **context))
+        logs.add_to(values)
         return values
 
     def correct(self, values: dict[str, list[float]]) -> tuple[list[bool], str]:

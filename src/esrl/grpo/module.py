@@ -322,8 +322,9 @@ class GRPOModule(PolicyModule):
         metrics = sample_metrics(samples, self.grpo.num_generations)
         metrics["train/lr"] = self.trainer.optimizers[0].param_groups[0]["lr"]
         batch_size = int(samples["rewards"].numel())
-        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=batch_size)
         loss = loss_metrics([{**s, **x.is_stats} for x, s in zip(rollouts, stats)])
+        metrics.update(self.reward_metrics([*metrics, *loss, "train/loss", "train/grad_norm"]))  # log_metric's
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=batch_size)
         for reduce_fx in ("mean", "min", "max"):  # over processes, as TRL: means, min of mins, max of maxes
             self.log_dict({k: v for k, v in loss.items() if rank_reduction(k) == reduce_fx}, on_step=True,
                           on_epoch=False, sync_dist=True, reduce_fx=reduce_fx, batch_size=batch_size)

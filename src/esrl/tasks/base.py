@@ -77,9 +77,7 @@ class Task:
         is NaN, and `last_bad` says which function gave it (the policy: esrl.tasks.reward_values)."""
         prompts = self.prompts(rows)
         completions = self.as_completions(prompts, texts)
-        kwargs = {**self._columns(rows), **context}
-        if completion_ids is not None:
-            kwargs["completion_ids"] = [list(ids) for ids in completion_ids]
+        kwargs = self._keywords(rows, completion_ids, context)
         weights = self.reward_weights or [1.0] * len(self.reward_funcs)
         total = [0.0] * len(texts)
         scored = [not self.reward_funcs] * len(texts)  # with no reward function every total stands (0)
@@ -97,12 +95,21 @@ class Task:
         self.last_unscorable = scored.count(False)
         return [(t if math.isfinite(t) else math.nan) if s else unscorable for t, s in zip(total, scored)]
 
-    def metrics(self, rows: Sequence[dict[str, Any]], texts: Sequence[str]) -> dict[str, list[float]]:
-        """Per-sample values of each evaluation metric (averaged by the caller)."""
+    def metrics(self, rows: Sequence[dict[str, Any]], texts: Sequence[str],
+                completion_ids: Sequence[Sequence[int]] | None = None, **context: Any) -> dict[str, list[float]]:
+        """Per-sample values of each evaluation metric (averaged by the caller), each called as `rewards` calls a
+        reward function (a task's reward functions may serve as its metrics too)."""
         prompts = self.prompts(rows)
         completions = self.as_completions(prompts, texts)
-        columns = self._columns(rows)
-        out = {}
-        for name, f in self.metric_funcs.items():
-            out[name] = reward_floats(name, f(prompts=prompts, completions=completions, **columns), len(texts))
-        return out
+        kwargs = self._keywords(rows, completion_ids, context)
+        return {name: reward_floats(name, call_reward(name, f, prompts=prompts, completions=completions, **kwargs),
+                                    len(texts)) for name, f in self.metric_funcs.items()}
+
+    def _keywords(self, rows: Sequence[dict[str, Any]], completion_ids: Sequence[Sequence[int]] | None,
+                  context: dict[str, Any]) -> dict[str, Any]:
+        """What a reward or metric function gets besides prompts and completions, as TRL hands it: the rows'
+        columns, completion_ids (where the caller has them) and the caller's context."""
+        kwargs = {**self._columns(rows), **context}
+        if completion_ids is not None:
+            kwargs["completion_ids"] = [list(ids) for ids in completion_ids]
+        return kwargs

@@ -25,7 +25,7 @@ def reward_name(func: Any) -> str:
     return getattr(func, "__name__", None) or repr(func)
 
 
-def _number(value: Any) -> float | None:
+def as_number(value: Any) -> float | None:
     """A real number as float, None for anything else (bools and strings included)."""
     if hasattr(value, "item") and not isinstance(value, (str, bytes)):  # numpy / torch scalars
         try:
@@ -45,8 +45,8 @@ def call_reward(name: str, func: Callable[..., Any], /, **kwargs: Any) -> Any:
     except EsrlError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's code: whatever it raises is its culprit's
-        hint = (" (reward functions take f(prompts, completions, **kwargs): the rows' columns, completion_ids and "
-                "trainer_state come as keywords)" if isinstance(e, TypeError) else "")
+        hint = (" (reward functions take f(prompts, completions, **kwargs): the rows' columns, completion_ids, "
+                "trainer_state, log_metric and log_extra come as keywords)" if isinstance(e, TypeError) else "")
         raise RewardError(f"reward function {name} raised {type(e).__name__}: {e}{hint}") from e
 
 
@@ -63,7 +63,7 @@ def reward_floats(name: str, values: Any, expected: int) -> list[float]:
         if v is None:
             out.append(0.0)
             continue
-        x = _number(v)
+        x = as_number(v)
         if x is None:
             raise RewardError(f"reward function {name} returned {v!r:.40} ({type(v).__name__}) for completion {i}: "
                               "rewards must be numbers (int or float) or None")
