@@ -71,7 +71,7 @@ def test_a_non_number_reward_is_an_error_naming_the_function(value):
         return [1.0, value]
 
     task = _task(picky)
-    with pytest.raises(RewardError, match=r"^reward function picky returned .* for completion 1: rewards must be"):
+    with pytest.raises(RewardError, match=r"^reward function picky returned .* for completion 1: values must be"):
         task.rewards(task.train_rows, ["x", "y"])
 
 

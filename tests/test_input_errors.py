@@ -59,7 +59,7 @@ def test_a_reward_function_that_raises_is_one_line_naming_it():
 
     rows = [{"prompt": "a"}]
     with pytest.raises(RewardError, match=r"^reward function length raised TypeError: .*'prompts' \(reward "
-                                          r"functions take f\(prompts, completions, \*\*kwargs\)"):
+                                          r"and metric functions take f\(prompts, completions, \*\*kwargs\)"):
         Task("t", [], [], reward_funcs=[length]).rewards(rows, ["x"])
     with pytest.raises(RewardError, match=r"^reward function <lambda> raised ZeroDivisionError"):
         Task("t", [], [], reward_funcs=[lambda prompts, completions, **_: [1 / 0]]).rewards(rows, ["x"])

@@ -30,7 +30,14 @@ def test_a_metric_is_the_mean_of_its_calls_since_the_last_take():
     assert logs.take() == {"a": 3.0}
 
 
-@pytest.mark.parametrize(("name", "value"), [("a", "1.5"), ("a", None), ("a", True), ("", 1.0), (3, 1.0)])
+def test_a_bool_counts_as_0_or_1_as_in_trl():
+    logs = RewardLogs()
+    logs.log_metric("solved", True)
+    logs.log_metric("solved", False)
+    assert logs.take() == {"solved": 0.5}
+
+
+@pytest.mark.parametrize(("name", "value"), [("a", "1.5"), ("a", None), ("a", [1.0]), ("", 1.0), (3, 1.0)])
 def test_a_metric_that_is_no_name_and_number_is_an_error_naming_the_call(name, value):
     with pytest.raises(RewardError, match=r"^a reward function called log_metric\("):
         RewardLogs().log_metric(name, value)
@@ -41,11 +48,22 @@ def test_a_name_esrl_logs_itself_is_refused_and_evaluation_gets_a_value_a_sample
     logs.log_metric("truncated", 1.0)
     with pytest.raises(RewardError, match="log_metric named 'truncated', a metric esrl logs itself"):
         logs.take(reserved=["reward", "truncated"])
+    logs.log_metric("bad_rewards", 1.0)  # the evaluation's count of failed rewards, added after
+    with pytest.raises(RewardError, match="log_metric named 'bad_rewards'"):
+        logs.add_to({"reward": [1.0]})
     values = {"reward": [1.0, 2.0, 3.0]}
     logs.log_metric("calls", 1.0)
     logs.log_metric("calls", 2.0)
     logs.add_to(values)
     assert values == {"reward": [1.0, 2.0, 3.0], "calls": [1.5, 1.5, 1.5]}
+
+
+def test_a_metric_function_that_raises_is_named_as_a_metric_function():
+    from esrl.tasks.base import Task
+
+    task = Task("t", [], [], reward_funcs=[], metric_funcs={"ratio": lambda prompts, completions, **_: [1 / 0]})
+    with pytest.raises(RewardError, match=r"^metric function ratio raised ZeroDivisionError"):
+        task.metrics([{"prompt": "a"}], ["x"])
 
 
 def test_log_extra_is_dropped_with_one_warning():

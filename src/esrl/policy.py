@@ -142,24 +142,26 @@ class PolicyModule(L.LightningModule):
         own = [k.removeprefix("train/") for k in logged]
         return {f"train/{k}": v for k, v in self.reward_logs.take(reserved=own).items()}
 
-    def score_rows(self, rows: Sequence[dict[str, Any]], completions) -> dict[str, list[float]]:
+    def score_rows(self, rows: Sequence[dict[str, Any]], completions, pool: bool = False) -> dict[str, list[float]]:
         """Per-sample task reward and metrics of completions (one per row); a metric a reward function logged
-        (log_metric) counts its calls' mean for every sample."""
+        (log_metric) counts its calls' mean for every sample (`pool`: every process's calls, a collective)."""
         texts, ids = [c.text for c in completions], [c.token_ids for c in completions]
         logs = RewardLogs()
         values = {"reward": self.task.rewards(rows, texts, ids, **self.reward_context(logs))}
         values.update(self.task.metrics(rows, texts, ids, **self.reward_context(logs)))
         values["completion_tokens"] = [float(len(c.token_ids)) for c in completions]
         values["truncated"] = [float(c.truncated) for c in completions]
-        logs.add_to(values)
+        logs.add_to(values, pool)
         return values
 
-    def evaluate_rows(self, rows: Sequence[dict[str, Any]]) -> dict[str, list[float]]:
+    def evaluate_rows(self, rows: Sequence[dict[str, Any]], pool: bool = False) -> dict[str, list[float]]:
         """Greedy completions of the current weights, scored by the task: per-sample values."""
-        return self.score_rows(rows, self.rollout_eval(rows))
+        return self.score_rows(rows, self.rollout_eval(rows), pool)
 
     def _eval_step(self, batch: dict[str, Any], prefix: str) -> None:
-        values = self.evaluate_rows(batch["rows"])
+        # pooled: every process then logs the same names (reward functions may log some on some ranks only), as
+        # sync_dist's collectives need
+        values = self.evaluate_rows(batch["rows"], pool=self.trainer.world_size > 1)
         n = len(batch["rows"])
         for k, v in values.items():
             self.log(f"{prefix}/{k}", fmean(v), batch_size=n, sync_dist=True)

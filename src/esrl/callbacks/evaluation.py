@@ -19,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from esrl.errors import RewardError
 from esrl.metrics import hacking_indicators, k3_kl, pass_at_k
+from esrl.tasks.reward_logs import refuse_clashes
 
 
 class Evaluation(L.Callback):
@@ -114,12 +115,13 @@ class Evaluation(L.Callback):
         special = set(module.tokenizer.all_special_ids) - {module.tokenizer.eos_token_id}
         indicators["special_tokens"] = max(indicators["special_tokens"], fmean(
             float(any(t in special for t in c.token_ids)) for c in greedy))
-        metrics.update({f"hacking/{k}": v for k, v in indicators.items()})
+        own = {f"hacking/{k}": v for k, v in indicators.items()}
         table = [{"prompt": str(p), "greedy": t, "reward": r} for p, t, r in
                  zip(module.task.prompts(rows), texts, values["reward"])][: self.table_rows]
         if self.num_samples:
-            metrics.update(self._sampled(module, rows, table))
-        return metrics, table
+            own.update(self._sampled(module, rows, table))
+        refuse_clashes(metrics, own)  # a name a reward function logged (log_metric) among the evaluation's own
+        return {**metrics, **own}, table
 
     def _sampled(self, module, rows, table) -> dict[str, float]:
         n = self.num_samples

@@ -39,7 +39,7 @@ from esrl.grpo.loss import GLOBAL_TOKEN_LOSSES, GRPOLoss
 from esrl.grpo.optim import default_adamw, default_schedule
 from esrl.grpo.reference import FrozenReference
 from esrl.grpo.rollout_batch import RolloutBatch, Scores, rollout_tensors
-from esrl.grpo.step_metrics import loss_metrics, rank_reduction, sample_metrics, window_samples
+from esrl.grpo.step_metrics import OTHER_HOOKS, loss_metrics, rank_reduction, sample_metrics, window_samples
 from esrl.models.loading import load_causal_lm
 from esrl.models.logps import per_token_logps
 from esrl.models.lora import GRPO_FIELDS, is_peft, policy_adapter, wrap_lora
@@ -323,7 +323,7 @@ class GRPOModule(PolicyModule):
         metrics["train/lr"] = self.trainer.optimizers[0].param_groups[0]["lr"]
         batch_size = int(samples["rewards"].numel())
         loss = loss_metrics([{**s, **x.is_stats} for x, s in zip(rollouts, stats)])
-        metrics.update(self.reward_metrics([*metrics, *loss, "train/loss", "train/grad_norm"]))  # log_metric's
+        metrics.update(self.reward_metrics([*metrics, *loss, *OTHER_HOOKS]))  # what reward functions logged
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=batch_size)
         for reduce_fx in ("mean", "min", "max"):  # over processes, as TRL: means, min of mins, max of maxes
             self.log_dict({k: v for k, v in loss.items() if rank_reduction(k) == reduce_fx}, on_step=True,

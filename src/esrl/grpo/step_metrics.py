@@ -11,6 +11,10 @@ import torch
 from esrl.grpo.advantages import nanstd
 from esrl.grpo.rollout_batch import RolloutBatch
 
+OTHER_HOOKS = ("train/loss", "train/grad_norm", "train/lambda", "train/cost_mean")
+"""Metrics the GRPO module logs from hooks other than the step's logging (the optimizer step's): a name a reward
+function's log_metric may not take either."""
+
 
 def rank_reduction(key: str) -> str:
     """How a loss statistic combines over micro-batches and processes: "min" for a ..._min or .../min key, "max"

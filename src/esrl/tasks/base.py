@@ -84,8 +84,8 @@ class Task:
         self.last_bad, self.last_per_function = {}, {}
         for w, f in zip(weights, self.reward_funcs):
             name = reward_name(f)
-            raw = call_reward(name, f, prompts=prompts, completions=completions, **kwargs)
-            values = reward_floats(name, raw, len(texts))  # a sequence of len(texts) from here on
+            raw = call_reward(f"reward function {name}", f, prompts=prompts, completions=completions, **kwargs)
+            values = reward_floats(f"reward function {name}", raw, len(texts))  # a sequence of len(texts) from here on
             scored = [s or v is not None for s, v in zip(scored, raw)]
             self.last_per_function[name] = [math.nan if r is None else v for r, v in zip(raw, values)]
             bad = sum(math.isnan(v) for v in values)
@@ -102,8 +102,12 @@ class Task:
         prompts = self.prompts(rows)
         completions = self.as_completions(prompts, texts)
         kwargs = self._keywords(rows, completion_ids, context)
-        return {name: reward_floats(name, call_reward(name, f, prompts=prompts, completions=completions, **kwargs),
-                                    len(texts)) for name, f in self.metric_funcs.items()}
+        out = {}
+        for name, f in self.metric_funcs.items():
+            label = f"metric function {name}"
+            out[name] = reward_floats(label, call_reward(label, f, prompts=prompts, completions=completions, **kwargs),
+                                      len(texts))
+        return out
 
     def _keywords(self, rows: Sequence[dict[str, Any]], completion_ids: Sequence[Sequence[int]] | None,
                   context: dict[str, Any]) -> dict[str, Any]:

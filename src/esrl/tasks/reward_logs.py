@@ -1,9 +1,11 @@
 """What reward functions log through TRL's keywords (TRL's GRPOTrainer hands every reward function `log_metric`
 and `log_extra`), so that a reward function written for TRL runs unchanged under ES and GRPO alike.
 
-- `log_metric(name, value)`: one number a call. Training logs `train/<name>` each optimizer step (ES: each
-  iteration): every call's value in every process pooled, total over count, as TRL's GRPOTrainer. Evaluation logs
-  `eval/<name>`, the mean of its calls.
+- `log_metric(name, value)`: one number (or bool) a call. Training logs `train/<name>` each optimizer step (ES: each
+  iteration): every call's value in every process pooled, total over count, as TRL's GRPOTrainer. TRL calls its
+  reward functions once per generation batch, esrl's GRPO once per micro-batch (ES: once per chunk of members), so a
+  logged mean agrees with TRL's and a logged count or sum is a call's. Evaluation logs `eval/<name>`, the mean of its
+  calls.
 - `log_extra(column, values)`: columns for TRL's completions table. esrl keeps no table of training completions
   (evaluation writes samples.csv), so these are dropped, with one warning a run.
 """
@@ -30,7 +32,7 @@ class RewardLogs:
         return {"log_metric": self.log_metric, "log_extra": self.log_extra}
 
     def log_metric(self, name: str, value: float) -> None:
-        number = as_number(value)
+        number = float(value) if isinstance(value, bool) else as_number(value)  # TRL takes a bool as 0 / 1
         if not isinstance(name, str) or not name or number is None:
             raise RewardError(f"a reward function called log_metric({name!r:.40}, {value!r:.40}): it takes a "
                               "metric's name (a non-empty str) and one number")
@@ -53,15 +55,21 @@ class RewardLogs:
             gathered = [{}] * dist.get_world_size()
             dist.all_gather_object(gathered, local)
         names = sorted(set().union(*gathered))
-        clash = sorted(set(names) & set(reserved))
-        if clash:
-            raise RewardError(f"a reward function's log_metric named {clash[0]!r}, a metric esrl logs itself: "
-                              "rename it")
+        refuse_clashes(names, reserved)
         return {name: sum(g[name][0] for g in gathered if name in g) / sum(g[name][1] for g in gathered if name in g)
                 for name in names}
 
-    def add_to(self, values: dict[str, list[float]]) -> None:
-        """Each metric's mean (this process's calls since the last take) into an evaluation's per-sample `values`,
-        as every sample's value."""
+    def add_to(self, values: dict[str, list[float]], pool: bool = False) -> None:
+        """Each metric's mean since the last take (this process's calls; `pool`: every process's, a collective) into
+        an evaluation's per-sample `values`, as every sample's value."""
         n = len(values["reward"])
-        values.update({k: [v] * n for k, v in self.take(pool=False, reserved=values).items()})
+        taken = self.take(pool=pool, reserved=[*values, "bad_rewards"])  # the evaluation's count of failed rewards
+        values.update({k: [v] * n for k, v in taken.items()})
+
+
+def refuse_clashes(logged: Iterable[str], own: Iterable[str]) -> None:
+    """A RewardError when a name a reward function logged is one of the caller's own metrics (it would overwrite
+    it, or be overwritten, without a word)."""
+    clash = sorted(set(logged) & set(own))
+    if clash:
+        raise RewardError(f"a reward function's log_metric named {clash[0]!r}, a metric esrl logs itself: rename it")

@@ -37,27 +37,28 @@ def as_number(value: Any) -> float | None:
     return float(value)
 
 
-def call_reward(name: str, func: Callable[..., Any], /, **kwargs: Any) -> Any:
-    """A reward function's values; one it raises is a RewardError naming the function (a TypeError: the signature
-    TRL's reward functions take). esrl's own errors (a scorer's) pass as they are."""
+def call_reward(label: str, func: Callable[..., Any], /, **kwargs: Any) -> Any:
+    """A reward or metric function's values; one it raises is a RewardError naming it by `label` ("reward function
+    NAME"; a TypeError: the signature TRL's reward functions take). esrl's own errors (a scorer's) pass as they are."""
     try:
         return func(**kwargs)
     except EsrlError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's code: whatever it raises is its culprit's
-        hint = (" (reward functions take f(prompts, completions, **kwargs): the rows' columns, completion_ids, "
-                "trainer_state, log_metric and log_extra come as keywords)" if isinstance(e, TypeError) else "")
-        raise RewardError(f"reward function {name} raised {type(e).__name__}: {e}{hint}") from e
+        hint = (" (reward and metric functions take f(prompts, completions, **kwargs): the rows' columns, "
+                "completion_ids, trainer_state, log_metric and log_extra come as keywords)"
+                if isinstance(e, TypeError) else "")
+        raise RewardError(f"{label} raised {type(e).__name__}: {e}{hint}") from e
 
 
-def reward_floats(name: str, values: Any, expected: int) -> list[float]:
-    """The values of reward function `name` as floats (None -> 0.0); a non-number or a wrong count is a
-    RewardError. Non-finite values stay (as NaN for the caller to exclude)."""
+def reward_floats(label: str, values: Any, expected: int) -> list[float]:
+    """The values of a reward or metric function (`label`: "reward function NAME") as floats (None -> 0.0); a
+    non-number or a wrong count is a RewardError. Non-finite values stay (as NaN for the caller to exclude)."""
     if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
-        raise RewardError(f"reward function {name} returned {type(values).__name__}, not a list of numbers")
+        raise RewardError(f"{label} returned {type(values).__name__}, not a list of numbers")
     values = list(values)
     if len(values) != expected:
-        raise RewardError(f"reward function {name} returned {len(values)} values for {expected} completions")
+        raise RewardError(f"{label} returned {len(values)} values for {expected} completions")
     out = []
     for i, v in enumerate(values):
         if v is None:
@@ -65,8 +66,8 @@ def reward_floats(name: str, values: Any, expected: int) -> list[float]:
             continue
         x = as_number(v)
         if x is None:
-            raise RewardError(f"reward function {name} returned {v!r:.40} ({type(v).__name__}) for completion {i}: "
-                              "rewards must be numbers (int or float) or None")
+            raise RewardError(f"{label} returned {v!r:.40} ({type(v).__name__}) for completion {i}: "
+                              "values must be numbers (int or float) or None")
         out.append(x if math.isfinite(x) else math.nan)
     return out
 
