@@ -99,17 +99,20 @@ def test_two_processes_pool_every_call_total_over_count():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", ["es", "grpo"])
-def test_a_fit_logs_what_reward_functions_logged(algo, tiny_model, tmp_path, monkeypatch):
-    """ES (lowrank: the 4 members' completions in one call) and GRPO (4 completions of one prompt): train/scored
-    is 4 each step; the evaluation (2 prompts, one call) logs eval/scored 2; log_extra warns once."""
+@pytest.mark.parametrize(("algo", "devices", "scored"), [("es", 1, 2.0), ("grpo", 1, 4.0), ("es", 2, 2.0)])
+def test_a_fit_logs_what_reward_functions_logged(algo, devices, scored, tiny_model, tmp_path, monkeypatch):
+    """ES (lowrank, chunks of 3 members: calls of 3 and 1 completions) and GRPO (4 completions of one prompt):
+    train/scored is the calls' mean each step, ES's (3 + 1) / 2; on 2 processes ES's two chunks go one to each, and
+    the mean pooled over both is logged, not rank 0's 3. The evaluation (2 prompts, one call) logs eval/scored 2;
+    log_extra warns once a process."""
     monkeypatch.setenv("PYTHONPATH", str(FIXTURES))
     rows = [json.loads(line) for line in (FIXTURES / "conciseness_train3.jsonl").read_text().splitlines()]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": r["question"]}) + "\n" for r in rows))
     (tmp_path / "eval.jsonl").write_text('{"prompt": "What is 2 + 2?"}\n{"prompt": "Name a colour."}\n')
     config = write_tiny_config(tmp_path / "c.yaml", tiny_model, max_steps=2,
-                               es={"population_size": 4, "mode": "lowrank"}, rollout={"temperature": 1.0},
-                               grpo={"num_generations": 4})
+                               es={"population_size": 4, "mode": "lowrank"},
+                               rollout={"temperature": 1.0, "max_batch_size": 3}, grpo={"num_generations": 4},
+                               trainer={"devices": devices})
     data = yaml.safe_load(config.read_text())
     data["data"] = {"task": "jsonl", "prompts_per_step": 1,
                     "task_args": {"train_path": str(tmp_path / "train.jsonl"), "eval_path": str(tmp_path / "eval.jsonl"),
@@ -119,6 +122,6 @@ def test_a_fit_logs_what_reward_functions_logged(algo, tiny_model, tmp_path, mon
     assert out.returncode == 0, out.stderr[-3000:]
     (path,) = Path(tmp_path / "run").rglob("metrics.csv")
     table = list(csv.DictReader(path.open()))
-    assert [float(r["train/scored"]) for r in table if r.get("train/scored")] == [4.0, 4.0]
+    assert [float(r["train/scored"]) for r in table if r.get("train/scored")] == [scored, scored]
     assert [float(r["eval/scored"]) for r in table if r.get("eval/scored")] == [2.0, 2.0]  # before and after
-    assert out.stderr.count("a reward function called log_extra('note'") == 1, out.stderr[-3000:]
+    assert out.stderr.count("a reward function called log_extra('note'") == devices, out.stderr[-3000:]
