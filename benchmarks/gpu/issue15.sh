@@ -26,8 +26,8 @@
 # next: what the next device session runs first within its 15 minutes (about 9 with the machine's start): inside
 # (lora's one unpriced lever, ~1 minute), lora's recorded step profiled beside the floor's (where its ~0.1 ms a step
 # over the kernel's own 1.25 ms goes), the GPU tests (~3 minutes), then floor, lowrank and lora side by side.
-# PROFILE_ARGS: decode_profile.py's flags. deepspeed: tests/test_gpu_deepspeed.py (GRPO under ZeRO 1 and 2; session 26's
-# assertions not run yet) after installing DeepSpeed from .whl/ds (prepare.sh), in what is left of 585 s or DEEPSPEED_S seconds.
+# PROFILE_ARGS: decode_profile.py's flags. deepspeed: benchmarks/gpu/issue16.sh (tests/test_gpu_deepspeed.py, GRPO under ZeRO 1
+# and 2; session 26's assertions not run yet) in what is left of 585 s, or DEEPSPEED_S seconds.
 # .whl holds the wheels the GPU image lacks (jsonargparse, docstring-parser, typeshed-client); .gpu/tok the
 # embedded model's config and tokenizer files (no weights).
 set -uo pipefail
@@ -80,19 +80,10 @@ if has bench2; then
   (cd benchmarks && timeout 240 python3 es_throughput.py $BENCH --modes ${BENCH2_MODES:-lora,single,full} --compile on --repeats 2 --full-members 3 2>&1 | tee "$OUT/bench_compiled2.log" | grep '^{')
 fi
 has sbs && sbs
-if has deepspeed; then  # GRPO's GPU tests under ZeRO (tests/test_gpu_deepspeed.py): DeepSpeed from its source archive
-  end=$(( SECONDS + ${DEEPSPEED_S:-585 - SECONDS} ))
-  if [ $(( end - SECONDS )) -gt 60 ]; then
-    timeout 30 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/ds/*.whl
-    DS_BUILD_OPS=0 timeout 120 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
-      --target /tmp/site .whl/ds/deepspeed-*.tar.gz 2>&1 | tail -3
-    python3 -c "import deepspeed; print('deepspeed', deepspeed.__version__)" 2>&1 | tail -2  # else pytest skips all
-    left=$(( end - SECONDS ))
-    if [ "$left" -gt 30 ]; then
-      timeout $left python3 -m pytest -q -m gpu tests/test_gpu_deepspeed.py -p no:cacheprovider --durations=5 2>&1 \
-        | quiet | tee "$OUT/gpu_deepspeed.log" | tail -15
-    else echo "deepspeed: installed, tests skipped: ${left} s left"; fi
-  else echo "deepspeed: skipped, $(( end - SECONDS )) s left"; fi
+if has deepspeed; then  # GRPO's GPU tests under ZeRO: issue16.sh (DeepSpeed installed from .whl/sdist, ~10-30 s)
+  left=$(( ${DEEPSPEED_S:-585 - SECONDS} ))
+  if [ "$left" -gt 90 ]; then TEST_TIMEOUT=$(( left - 60 )) timeout $left bash benchmarks/gpu/issue16.sh
+  else echo "deepspeed: skipped, ${left} s left"; fi
 fi
 if has host; then  # the iteration's work around its generate: loads and update, factors drawn once or twice
   (cd benchmarks && timeout 150 python3 es_host_work.py --model random:qwen2.5-1.5b --device cuda --rounds 5 2>&1 | tee "$OUT/host_work.log" | grep '^{')

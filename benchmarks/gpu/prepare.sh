@@ -16,13 +16,13 @@ PY
 rm -rf .whl && mkdir -p .whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl $pins
-# DeepSpeed for `issue15.sh deepspeed` (GRPO's GPU tests under ZeRO): its source archive (it publishes no wheel) and
-# the needs the GPU image lacks, at requirements/gpu.txt's pins, in .whl/ds (installed by that step alone)
+# DeepSpeed for issue16.sh (GRPO's GPU tests under ZeRO; `issue15.sh deepspeed` runs it too): its source archive in
+# .whl/sdist (it publishes no wheel) and the needs the GPU image lacks in .whl, at requirements/gpu.txt's pins
 pin() { grep -i "^$1==" requirements/gpu.txt; }
-mkdir -p .whl/ds
-python3 -m pip download -q --no-deps --no-binary=:all: -d .whl/ds "$(pin deepspeed)"
+mkdir -p .whl/sdist
+python3 -m pip download -q --no-deps --no-binary=:all: -d .whl/sdist "$(pin deepspeed)"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl/ds \
+  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
   "$(pin hjson)" "$(pin pydantic)" "$(pin pydantic_core)" "$(pin annotated-types)" "$(pin typing-inspection)"
 tok=$(.venv/bin/python -c "from esrl.models import resolve_model_path; print(resolve_model_path('smollm2-135m-instruct'))")
 rm -rf .gpu/tok && mkdir -p .gpu/tok
