@@ -147,14 +147,21 @@ def test_entropies_are_trls_and_the_step_logs_trls_other_metrics(tiny_model, tmp
     assert row["train/terminated_length_mean"] == (float(ended.mean()) if ended.numel() else 0.0)
 
 
-def test_a_metric_a_reward_function_logs_is_the_mean_of_the_steps_calls(tiny_model, tmp_path):
-    """log_metric, as TRL's: one value per call (here the call's total length), train/<name> their mean over the
-    optimizer step's micro-batches (2 calls), not the last micro-batch's."""
+def test_the_steps_completions_are_scored_in_one_call_as_trls_generation_batch(tiny_model, tmp_path):
+    """TRL calls each reward function once per generation batch (the optimizer step's window): so does esrl, with
+    the 2 micro-batches' 8 completions, each micro-batch's rewards then its own; log_metric's value (the call's
+    total length) is logged as train/<name>."""
+    calls = []
+
     def length(prompts, completions, log_metric, **_):
         values = [float(len(completion_text(c))) for c in completions]
+        calls.append(len(completions))
         log_metric("chars", sum(values))
         return values
 
     module, row = _fit(tiny_model, tmp_path, length)
-    sums = [float(r.rewards.sum()) for r in module._rollouts]
-    assert len(sums) == 2 and math.isclose(row["train/chars"], sum(sums) / 2, rel_tol=1e-6)
+    assert calls == [2 * G]
+    rewards = [r.rewards for r in module._rollouts]
+    assert len(rewards) == 2 and all(len(r) == G for r in rewards)
+    assert [r.rewards_per_function["length"].tolist() for r in module._rollouts] == [r.tolist() for r in rewards]
+    assert math.isclose(row["train/chars"], float(torch.cat(rewards).sum()), rel_tol=1e-6)

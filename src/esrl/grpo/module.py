@@ -149,16 +149,14 @@ class GRPOModule(PolicyModule):
                 raise ConfigError("--lr_scheduler ReduceLROnPlateau: steps on a monitored metric, which esrl does "
                                   "not name for it; use a schedule by step (StepLR, CosineAnnealingLR, ...)")
             return LightningCLI.configure_optimizers(self, optimizer, scheduler)
-        if self.optimizer_factory is not None:
-            return optimizer
-        scheduler = default_schedule(optimizer, self.grpo, self.trainer.estimated_stepping_batches)
+        scheduler = None if self.optimizer_factory is not None else default_schedule(
+            optimizer, self.grpo, self.trainer.estimated_stepping_batches)
         if scheduler is None:
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     @property
-    def run_seed(self) -> int:
-        """The configured seed, else the run's seed_everything value (Lightning exports it)."""
+    def run_seed(self) -> int:  # the configured seed, else the run's seed_everything value (Lightning exports it)
         return self.seed_or_global(self.grpo.seed)
 
     def frozen_base(self) -> torch.nn.Module | None:
@@ -213,7 +211,7 @@ class GRPOModule(PolicyModule):
         sampled = {k: self.sample(part, k) for k, part in parts.items()}
         if self.engine.capabilities.sleeps:  # rollout.vllm_sleep: once a window; its memory goes to logps and steps
             self.engine.sleep()
-        scored = {k: self.score(part, sampled[k]) for k, part in parts.items()}
+        scored = dict(zip(parts, self.score(list(parts.values()), list(sampled.values()))))
         batch_std = None  # scale_rewards batch: the std of the whole window's rewards on every process, as TRL's
         if self.grpo.scale_rewards == "batch":  # generation batch (a run resumed mid-window: the rest of it)
             batch_std = nanstd(self.all_gather(torch.cat([x.rewards for x in scored.values()]).to(self.device))
@@ -232,18 +230,20 @@ class GRPOModule(PolicyModule):
                 top_p=cfg.top_p, stop=self.stop_strings(), num_return_sequences=self.grpo.num_generations,
                 seed=sampling_seed(self.run_seed, self.global_step, micro_batch, world_info(self)[0]))
 
-    def score(self, rows: list[dict[str, Any]], completions: list[Completion]) -> Scores:
-        """A micro-batch's rewards, checked: completions no reward function applied to are NaN, as TRL's
-        unscorable ones, but no failure."""
+    def score(self, parts: list[list[dict[str, Any]]], sampled: list[list[Completion]]) -> list[Scores]:
+        """Micro-batches' rewards in one call of each reward function, as TRL scores its generation batch, checked:
+        completions no reward function applied to are NaN, as TRL's unscorable ones, but no failure."""
         with self.timed("reward"):
-            repeated = [row for row in rows for _ in range(self.grpo.num_generations)]
+            repeated = [row for rows in parts for row in rows for _ in range(self.grpo.num_generations)]
+            completions = [c for part in sampled for c in part]
             rewards = self.task.rewards(repeated, [c.text for c in completions], [c.token_ids for c in completions],
                                         unscorable=math.nan, **self.reward_context())
-        unscorable = self.task.last_unscorable
         if self.constraint is not None:  # per-sample reward - lambda * cost; the costs adapt lambda after the step
             self._step_costs.extend(self.constraint.last_costs)
-        return Scores(self.checked_rewards(torch.tensor(rewards, dtype=torch.float32), unscorable), unscorable,
-                      {k: torch.tensor(v) for k, v in self.task.last_per_function.items()})
+        window = Scores(self.checked_rewards(torch.tensor(rewards, dtype=torch.float32), self.task.last_unscorable),
+                        ~torch.tensor(self.task.last_scored, dtype=torch.bool),
+                        {k: torch.tensor(v) for k, v in self.task.last_per_function.items()})
+        return window.split([len(part) for part in sampled])
 
     @torch.no_grad()
     def make_rollout(self, rows: list[dict[str, Any]], completions: list[Completion], scores: Scores,
@@ -296,7 +296,7 @@ class GRPOModule(PolicyModule):
 
     def checked_rewards(self, rewards: torch.Tensor, unscorable: int = 0) -> torch.Tensor:
         """Every non-finite reward as NaN (a float32 overflow included): left out of its group's mean and std,
-        advantage 0. Too many in this micro-batch, on any rank, stop the run (esrl.tasks.reward_values); the
+        advantage 0. Too many in this window, on any rank, stop the run (esrl.tasks.reward_values); the
         `unscorable` NaNs (no reward function applied) are no failures and count on neither side."""
         rewards = torch.where(torch.isfinite(rewards), rewards, torch.nan)
         local = torch.tensor([float(rewards.isnan().sum()) - unscorable, rewards.numel() - unscorable],

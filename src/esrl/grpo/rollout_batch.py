@@ -40,12 +40,23 @@ class RolloutBatch:
 
 @dataclass
 class Scores:
-    """A micro-batch's rewards (checked: NaN is out of its group), how many completions no reward function applied
-    to, and each function's own values (NaN where it returned None), for TRL's rewards/<function> metrics."""
+    """Scored completions' rewards (checked: NaN is out of its group), which ones no reward function applied to,
+    and each function's own values (NaN where it returned None), for TRL's rewards/<function> metrics."""
 
     rewards: torch.Tensor
-    unscorable: int = 0
+    unscored: torch.Tensor  # bool, one a completion
     per_function: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def unscorable(self) -> int:
+        return int(self.unscored.sum())
+
+    def split(self, sizes: list[int]) -> list[Scores]:
+        """Consecutive parts of these scores: a window's micro-batches, scored in one call."""
+        parts = zip(self.rewards.split(sizes), self.unscored.split(sizes),
+                    *(values.split(sizes) for values in self.per_function.values()))
+        return [Scores(rewards, unscored, dict(zip(self.per_function, per_function)))
+                for rewards, unscored, *per_function in parts]
 
 
 def rollout_tensors(tokenizer, rendered_prompts: list[str], completions: list[Completion], rewards: torch.Tensor,

@@ -43,8 +43,9 @@ class Task:
     prompt_fn: Callable[[dict[str, Any]], Prompt] | None = None
     # reward function name -> how many non-finite values it gave in the last `rewards` call (for error messages).
     last_bad: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
-    # how many completions of the last `rewards` call no reward function applied to (all returned None).
+    # how many completions of the last `rewards` call no reward function applied to (all returned None), and which.
     last_unscorable: int = field(default=0, repr=False, compare=False)
+    last_scored: list[bool] = field(default_factory=list, repr=False, compare=False)
     # each reward function's values in the last `rewards` call, NaN where it returned None (TRL's rewards/<name>).
     last_per_function: dict[str, list[float]] = field(default_factory=dict, repr=False, compare=False)
 
@@ -92,7 +93,7 @@ class Task:
             if bad:
                 self.last_bad[name] = self.last_bad.get(name, 0) + bad
             total = [t + w * v for t, v in zip(total, values)]
-        self.last_unscorable = scored.count(False)
+        self.last_unscorable, self.last_scored = scored.count(False), scored
         return [(t if math.isfinite(t) else math.nan) if s else unscorable for t, s in zip(total, scored)]
 
     def metrics(self, rows: Sequence[dict[str, Any]], texts: Sequence[str],

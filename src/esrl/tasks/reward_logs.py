@@ -2,10 +2,9 @@
 and `log_extra`), so that a reward function written for TRL runs unchanged under ES and GRPO alike.
 
 - `log_metric(name, value)`: one number (or bool) a call. Training logs `train/<name>` each optimizer step (ES: each
-  iteration): every call's value in every process pooled, total over count, as TRL's GRPOTrainer. TRL calls its
-  reward functions once per generation batch, esrl's GRPO once per micro-batch (ES: once per chunk of members), so a
-  logged mean agrees with TRL's and a logged count or sum is a call's. Evaluation logs `eval/<name>`, the mean of its
-  calls.
+  iteration): every call's value in every process pooled, total over count, as TRL's GRPOTrainer (GRPO calls a
+  reward function once per step's window, TRL once per generation batch: the same completions; ES once per chunk
+  of members). Evaluation logs `eval/<name>`, the mean of its calls.
 - `log_extra(column, values)`: columns for TRL's completions table. esrl keeps no table of training completions
   (evaluation writes samples.csv), so these are dropped, with one warning a run.
 """
