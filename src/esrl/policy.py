@@ -147,8 +147,9 @@ class PolicyModule(L.LightningModule):
         (log_metric) counts its calls' mean for every sample (`pool`: every process's calls, a collective)."""
         texts, ids = [c.text for c in completions], [c.token_ids for c in completions]
         logs = RewardLogs()
-        values = {"reward": self.task.rewards(rows, texts, ids, **self.reward_context(logs))}
-        values.update(self.task.metrics(rows, texts, ids, **self.reward_context(logs)))
+        context = self.reward_context(logs)
+        values = {"reward": self.task.rewards(rows, texts, ids, **context)}
+        values.update(self.task.metrics(rows, texts, ids, **context))
         values["completion_tokens"] = [float(len(c.token_ids)) for c in completions]
         values["truncated"] = [float(c.truncated) for c in completions]
         logs.add_to(values, pool)

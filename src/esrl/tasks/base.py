@@ -43,8 +43,7 @@ class Task:
     prompt_fn: Callable[[dict[str, Any]], Prompt] | None = None
     # reward function name -> how many non-finite values it gave in the last `rewards` call (for error messages).
     last_bad: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
-    # how many completions of the last `rewards` call no reward function applied to (all returned None), and which.
-    last_unscorable: int = field(default=0, repr=False, compare=False)
+    # whether any reward function applied to each completion of the last `rewards` call (False: all returned None).
     last_scored: list[bool] = field(default_factory=list, repr=False, compare=False)
     # each reward function's values in the last `rewards` call, NaN where it returned None (TRL's rewards/<name>).
     last_per_function: dict[str, list[float]] = field(default_factory=dict, repr=False, compare=False)
@@ -85,16 +84,22 @@ class Task:
         self.last_bad, self.last_per_function = {}, {}
         for w, f in zip(weights, self.reward_funcs):
             name = reward_name(f)
-            raw = call_reward(f"reward function {name}", f, prompts=prompts, completions=completions, **kwargs)
-            values = reward_floats(f"reward function {name}", raw, len(texts))  # a sequence of len(texts) from here on
+            label = f"reward function {name}"
+            raw = call_reward(label, f, prompts=prompts, completions=completions, **kwargs)
+            values = reward_floats(label, raw, len(texts))  # a sequence of len(texts) from here on
             scored = [s or v is not None for s, v in zip(scored, raw)]
             self.last_per_function[name] = [math.nan if r is None else v for r, v in zip(raw, values)]
             bad = sum(math.isnan(v) for v in values)
             if bad:
                 self.last_bad[name] = self.last_bad.get(name, 0) + bad
             total = [t + w * v for t, v in zip(total, values)]
-        self.last_unscorable, self.last_scored = scored.count(False), scored
+        self.last_scored = scored
         return [(t if math.isfinite(t) else math.nan) if s else unscorable for t, s in zip(total, scored)]
+
+    @property
+    def last_unscorable(self) -> int:
+        """How many completions of the last `rewards` call no reward function applied to."""
+        return self.last_scored.count(False)
 
     def metrics(self, rows: Sequence[dict[str, Any]], texts: Sequence[str],
                 completion_ids: Sequence[Sequence[int]] | None = None, **context: Any) -> dict[str, list[float]]:
