@@ -14,6 +14,9 @@ Each mode runs in its own fresh process (so the peak-RSS figures do not mix):
            all 30 members on a laptop CPU: `--full-members K` members are timed and the per-member mean is
            extrapolated to N (said so in the output); the update (30 full-size noise regenerations) is run for real.
 
+A mode name ending in `-apart` (lowrank-apart, lora-apart) builds that mode's static population with an MLP's gate
+and up terms in launches of their own (StaticPopulation.gate_up_first off), to price that one launch side by side.
+
 Side by side (`--rounds R`): all --modes in ONE process instead, each on its own model copy, one unit of each per
 round in a rotated order, R rounds; prints each mode's times, and its time over the first mode's (median of the
 per-round ratios, and best over best). On a shared machine whose speed drifts by 10-50% between minutes (this
@@ -44,6 +47,7 @@ import platform
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import torch
 from bench_setup import PeakRSS, bench_rows, build_model, cpu_model, peak_memory_mb, timed_generate
@@ -59,10 +63,12 @@ def prepare(mode: str, args) -> tuple[object, callable]:
         shape_fitness
     from esrl.es.engines import InPlaceES
     from esrl.es.noise import drawn_once
+    from esrl.es.static_population import StaticPopulation
     from esrl.models import load_tokenizer
     from esrl.rollout import HFEngine
     from esrl.tasks import build_task
 
+    apart, mode = mode.endswith("-apart"), mode.removesuffix("-apart")
     model = build_model(args.model, args.device, args.dtype)
     tok = load_tokenizer(args.tokenizer)
     task = build_task("conciseness")
@@ -84,6 +90,9 @@ def prepare(mode: str, args) -> tuple[object, callable]:
     def iteration(sel, spec, noise_mode, extra: dict):
         opt = torch.optim.SGD(sel.params, lr=1e-3)
         backend = InPlaceES(engine, model, sel, spec, noise_mode)
+        if apart:  # the static population built now, gate and up apart (a later unit reloads its members)
+            with mock.patch.object(StaticPopulation, "gate_up_first", False):
+                backend.row_weights(members)
 
         def unit():
             start = time.perf_counter()

@@ -219,7 +219,7 @@ def test_fused_step_gives_the_static_steps_tokens_with_and_without_a_population(
         backend = InPlaceES(engine, model, selection, spec, mode)
         results.append([_tokens(m) for m in engine.generate_population(
             PROMPTS, 3, backend.row_weights(members), max_new_tokens=NEW, min_new_tokens=NEW)])
-        assert len(backend.static.runs) == model.config.num_hidden_layers
+        assert len(backend.static.runs) == 2 * model.config.num_hidden_layers  # q/k/v and gate/up, a layer
         backend.static.remove()
     assert results[0] == results[1] and len({tuple(m[-1]) for m in results[1]}) > 1
     assert len(fused.compile_times()) == 2  # the base shape once, the population's once

@@ -3,7 +3,8 @@
 The answer is checked on the model by a probe forward, not assumed per architecture, because deferring a term is
 only exact where nothing reads the early outputs before the last linear runs. Real transformers models with random
 weights: Llama, Qwen2 and Mistral (q, k and v read x, rotary follows all three: one run a layer), an MLP's gate and
-up (act_fn reads gate before up_proj runs: refused), Qwen3 (q_norm reads q before k_proj runs: refused).
+up (act_fn reads gate before up_proj runs: refused, until gate_up_first reorders the two calls), Qwen3 (q_norm reads
+q before k_proj runs: refused).
 """
 
 from __future__ import annotations
@@ -56,3 +57,46 @@ def test_candidates_include_gate_and_up_which_the_check_refuses():
     runs = _shared_input_runs(model, _linears(model), 3)
     assert ("model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj") in runs
     assert tuple(f"model.layers.0.self_attn.{name}" for name in ATTENTION) in runs
+
+
+GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
+
+
+@pytest.mark.parametrize("arch,runs", [("Llama", [ATTENTION, GATE_UP]), ("Qwen2", [ATTENTION, GATE_UP]),
+                                      ("Qwen3", [GATE_UP])])
+def test_gate_up_first_keeps_the_logits_and_lets_gate_and_up_share_a_launch(arch, runs):
+    from esrl.es.shared_inputs import _probe_ids, gate_up_first, late_runs
+
+    model = _random(arch)
+    with torch.inference_mode():
+        want = model(input_ids=_probe_ids(model)).logits
+    restore = gate_up_first(model)
+    mlps = [layer.mlp for layer in model.model.layers]
+    assert all("forward" in vars(m) for m in mlps)
+    with torch.inference_mode():
+        assert torch.equal(model(input_ids=_probe_ids(model)).logits, want)
+    expected = [tuple(f"model.layers.{i}.{name if '.' in name else 'self_attn.' + name}" for name in run)
+                for i in range(2) for run in runs]
+    assert sorted(late_runs(model, _linears(model), most=3)) == sorted(expected)
+    restore()
+    assert not any("forward" in vars(m) for m in mlps)
+    assert sorted(late_runs(model, _linears(model), most=3)) == sorted(run for run in expected if "mlp" not in run[0])
+
+
+def test_an_mlp_with_another_forward_keeps_it():
+    """An MLP whose forward is not down(act(gate(x)) * up(x)) (here act on up, times gate) changes the probe's logits
+    under gate_up_first's forward, so it keeps its own: no run of its linears is kept."""
+    from esrl.es.shared_inputs import gate_up_first, late_runs
+
+    model = _random("Llama")
+    mlp_class = type(model.model.layers[0].mlp)
+
+    class UpActivated(mlp_class):
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))
+
+    for layer in model.model.layers:
+        layer.mlp.__class__ = UpActivated
+    gate_up_first(model)
+    assert not any("forward" in vars(layer.mlp) for layer in model.model.layers)
+    assert all("mlp" not in run[0] for run in late_runs(model, _linears(model), most=3))

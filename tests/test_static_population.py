@@ -1,8 +1,8 @@
 """ES populations on the static decoder (`rollout.compile: on`, run eagerly on the CPU): a chunk through the mode's
 StaticPopulation (hooks installed once, buffers refilled per chunk; lora: PEFT's adapter path switched off and the
 member adapter added on the base Linear, esrl.es.lowrank_kernel's torch path here; q, k and v add their terms in one
-call after v_proj, as on a GPU) gives the eager engine's per-chunk hooks token for token, members differ, and
-afterwards plain generation is the policy's own (adapter back on, the adapter's requires_grad flags unchanged).
+call after v_proj, gate and up after up_proj, as on a GPU) gives the eager engine's per-chunk hooks token for token,
+members differ, and afterwards plain generation is the policy's own (adapter back on, the adapter's requires_grad flags unchanged).
 fp32 tiny Llama. On a GPU the same kernel runs as Triton: tests/test_gpu.py.
 """
 
@@ -49,13 +49,15 @@ def test_static_population_equals_eager_hooks(tiny_model, mode_name, fields, mon
                                          min_new_tokens=NEW)
         assert [[c.token_ids for c in m] for m in got] == [[c.token_ids for c in m] for m in want]
         assert len({tuple(m[1].token_ids) for m in got}) > 1
-        if i == 0:  # q, k and v of each layer take their terms in one call, after v_proj (esrl.es.shared_inputs)
+        if i == 0:  # q, k and v of each layer take their terms in one call, after v_proj, and gate and up after
+            # up_proj (its MLP's up_proj called before act_fn: esrl.es.shared_inputs)
             last = [run[-1].removesuffix(".weight").rsplit(".", 1)[-1] for run in backend.static.runs]
-            assert last == ["v_proj"] * policy.config.num_hidden_layers
+            assert sorted(last) == sorted(["v_proj", "up_proj"] * policy.config.num_hidden_layers)
     base = [c.token_ids for c in eager.generate(PROMPTS, max_new_tokens=NEW, min_new_tokens=NEW)]
     assert [c.token_ids for c in static.generate(PROMPTS, max_new_tokens=NEW, min_new_tokens=NEW)] == base
     assert {n: p.requires_grad for n, p in policy.named_parameters()} == grads
     backend.static.remove()
+    assert not any("forward" in vars(m) for m in policy.modules())  # the MLPs' own forward back
 
 
 def test_zero3_partitioned_weights_decode_with_generate(tiny_model):

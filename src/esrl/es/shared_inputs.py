@@ -4,23 +4,27 @@ In a recorded decode step the member-term kernel (esrl.es.lowrank_kernel) costs 
 small its work, and a 1.5B model launches it 196 times a step. q_proj, k_proj and v_proj read the same x, so one
 launch after v_proj can add all three terms, in place, to outputs the model has not read yet: two launches fewer per
 layer. That holds only where nothing reads q or k before v_proj runs: true of Llama and Qwen2 (rotary comes after the
-three), false of Qwen3 (q_norm reads q before k_proj runs) and of an MLP's gate (act_fn reads it before up_proj). So
-it is checked on the model, not assumed per architecture: a probe forward records which hooked modules are called
-one after another on the same input tensor, then each kind of run (q/k/v, gate/up, ...) is kept only if adding random
-terms late, in place, gives logits bit-equal to adding them at once. Plain torch; no Lightning.
+three), false of Qwen3 (q_norm reads q before k_proj runs) and of a gated MLP's gate as transformers writes it
+(act_fn reads gate before up_proj runs; `gate_up_first` reorders those two calls). So it is checked on the model, not
+assumed per architecture: a probe forward records which hooked modules are called one after another on the same
+input tensor, then each kind of run (q/k/v, gate/up, ...) is kept only if adding random terms late, in place, gives
+logits bit-equal to adding them at once. Plain torch; no Lightning.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import types
 from contextlib import ExitStack
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 log = logging.getLogger(__name__)
 PROBE_TOKENS = 4
+GATED_MLP = ("gate_proj", "up_proj", "down_proj", "act_fn")
+"""The attributes of transformers' gated MLPs (Llama, Qwen2/3, Mistral, Gemma): down(act(gate(x)) * up(x))."""
 
 
 def late_runs(model: torch.nn.Module, targets: Sequence[tuple[str, torch.nn.Module]], most: int) -> list[tuple]:
@@ -47,6 +51,40 @@ def late_runs(model: torch.nn.Module, targets: Sequence[tuple[str, torch.nn.Modu
         log.warning("member terms are added one linear at a time: the shared-input probe failed (%s: %s)",
                     type(e).__name__, e)
         return []
+
+
+def _gate_up_first_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """A gated MLP's forward with up_proj run before act_fn reads gate's output: the same ops on the same tensors
+    (so the same output, bit for bit), but gate_proj and up_proj are now called one after another, so their member
+    terms can take one launch after up_proj."""
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    return self.down_proj(self.act_fn(gate) * up)
+
+
+@torch.inference_mode()
+def gate_up_first(model: torch.nn.Module) -> Callable[[], None]:
+    """Give each gated MLP of `model` the forward above, as an instance attribute, when the model's logits stay
+    bit-equal on a probe (an MLP whose own forward is not down(act(gate(x)) * up(x)) changes them: nothing is
+    changed then). Returns the function that gives the MLPs back their class's forward."""
+    mlps = [m for m in model.modules() if all(hasattr(m, a) for a in GATED_MLP) and "forward" not in vars(m)]
+
+    def restore() -> None:
+        for m in mlps:
+            vars(m).pop("forward", None)
+
+    if not mlps:
+        return restore
+    try:
+        want = model(input_ids=_probe_ids(model)).logits
+        for m in mlps:
+            m.forward = types.MethodType(_gate_up_first_forward, m)
+        if not torch.equal(model(input_ids=_probe_ids(model)).logits, want):
+            restore()
+            log.debug("the MLPs keep their own forward: gate_proj first changed the logits")
+    except Exception as e:  # as late_runs: an architecture the probe cannot run keeps its own forward
+        restore()
+        log.warning("the MLPs keep their own forward: the probe failed (%s: %s)", type(e).__name__, e)
+    return restore
 
 
 def _probe_ids(model: torch.nn.Module) -> torch.Tensor:

@@ -7,9 +7,9 @@ device buffers per chunk size M (one size per run, or a few when the number of p
 `load(members)` refills them in place with the chunk's factors or weights, and entering `population(row_member)`
 switches the hooks on for one population-batched generate. Rows must be member-major (ES pads a short last
 chunk on engines with static shapes, so chunks keep one size), so each hook is one grouped op per perturbed
-layer and step, with no per-row gather and no host sync; linears that read one input (q, k and v) take their terms
-in one launch after the last of them, where the model allows it (esrl.es.shared_inputs). Subclasses (one per noise
-mode) name the hooked modules and fill the buffers. Plain torch.
+layer and step, with no per-row gather and no host sync; linears that read one input (q, k and v; an MLP's gate
+and up) take their terms in one launch after the last of them, where the model allows it (esrl.es.shared_inputs).
+Subclasses (one per noise mode) name the hooked modules and fill the buffers. Plain torch.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from esrl.es.lowrank_kernel import MAX_LINEARS, lowrank_add_linears_
 from esrl.es.noise import Member, NoiseSpec
 from esrl.es.params import ParamSelection
-from esrl.es.shared_inputs import late_runs
+from esrl.es.shared_inputs import gate_up_first, late_runs
 
 
 class StaticPopulation:
@@ -31,6 +31,9 @@ class StaticPopulation:
     where it saves kernel launches. On a CPU the torch ops are the same either way, and adding q's term after k and
     v ran made SmolLM2's lowrank forward slower (q's output out of cache; RESULTS, session 20); the CPU tests turn it
     on to check the GPU's bookkeeping."""
+    gate_up_first: bool = True
+    """Where launches are shared: run a gated MLP's up_proj before act_fn reads gate (the same output bit for bit,
+    esrl.es.shared_inputs.gate_up_first) so gate's and up's terms take one launch too, a launch fewer per layer."""
 
     def __init__(self, model: torch.nn.Module, selection: ParamSelection, spec: NoiseSpec):
         self.model, self.selection, self.spec = model, selection, spec
@@ -43,10 +46,13 @@ class StaticPopulation:
         if share is None:
             share = next(model.parameters()).is_cuda
         self.runs = []  # keys whose terms one launch adds, after the last
+        self._restore_mlps = lambda: None
         if share:  # probed with the rollouts' attention kernels: cuDNN's would not repeat, and the probe compares
             from esrl.rollout.hf import rollout_attention
 
             with self._decoding(), rollout_attention(next(model.parameters()).device):
+                if self.gate_up_first:
+                    self._restore_mlps = gate_up_first(model)
                 self.runs = late_runs(model, targets, MAX_LINEARS)
         run_of = {key: run for run in self.runs for key in run}
         self._pending: dict[str, torch.Tensor] = {}  # outputs of a run's first modules, until its last one
@@ -120,6 +126,8 @@ class StaticPopulation:
         return hook
 
     def remove(self) -> None:
+        """The hooks off and the MLPs' own forward back."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._restore_mlps()
