@@ -100,3 +100,21 @@ def test_an_mlp_with_another_forward_keeps_it():
     gate_up_first(model)
     assert not any("forward" in vars(layer.mlp) for layer in model.model.layers)
     assert all("mlp" not in run[0] for run in late_runs(model, _linears(model), most=3))
+
+
+def test_a_reordered_model_deep_copies_and_pickles_with_its_own_mlps():
+    """The reordered forward is an instance attribute: a copy's MLPs must call the copy's linears, not the original's."""
+    import copy
+    import pickle
+
+    from esrl.es.shared_inputs import _probe_ids, gate_up_first
+
+    model = _random("Llama")
+    gate_up_first(model)
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        with torch.no_grad():
+            for p in clone.model.layers[0].mlp.up_proj.parameters():
+                p.zero_()
+            want = model(input_ids=_probe_ids(model)).logits
+            assert not torch.equal(clone(input_ids=_probe_ids(model)).logits, want)
+            assert torch.equal(model(input_ids=_probe_ids(model)).logits, want)

@@ -25,14 +25,15 @@
 # to ~3 minutes).
 # next: what the next device session runs first within its 15 minutes (about 9 with the machine's start): inside
 # (lora's one unpriced lever, ~1 minute), lora's recorded step profiled beside the floor's (where its ~0.1 ms a step
-# over the kernel's own 1.25 ms goes), the GPU tests (~3 minutes), then floor, lowrank and lora side by side.
+# over the kernel's own 1.25 ms goes), the GPU tests (~3 minutes), then floor, lowrank and lora side by side, with
+# lora-apart (lora with an MLP's gate and up terms in launches of their own, as before session 29: prices that merge).
 # PROFILE_ARGS: decode_profile.py's flags. deepspeed: benchmarks/gpu/issue16.sh (tests/test_gpu_deepspeed.py, GRPO under ZeRO 1
 # and 2; session 26's assertions not run yet) in what is left of 585 s, or DEEPSPEED_S seconds.
 # .whl holds the wheels the GPU image lacks (jsonargparse, docstring-parser, typeshed-client); .gpu/tok the
 # embedded model's config and tokenizer files (no weights).
 set -uo pipefail
 STEPS=${1:-profile,tests,bench1,bench2,e2e}
-NEXT=""; [ "$STEPS" = next ] && { NEXT=1; STEPS=profile,tests,sbs,deepspeed; PROFILE_ARGS=${PROFILE_ARGS:---modes floor,lora}; SBS_MODES=${SBS_MODES:-floor,lowrank,lora}; }
+NEXT=""; [ "$STEPS" = next ] && { NEXT=1; STEPS=profile,tests,sbs,deepspeed; PROFILE_ARGS=${PROFILE_ARGS:---modes floor,lora}; SBS_MODES=${SBS_MODES:-floor,lowrank,lora,lora-apart}; }
 OUT=${OUT:-/tmp/esrl_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1

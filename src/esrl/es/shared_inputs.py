@@ -13,9 +13,9 @@ logits bit-equal to adding them at once. Plain torch; no Lightning.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
-import types
 from contextlib import ExitStack
 from typing import Callable, Sequence
 
@@ -77,7 +77,7 @@ def gate_up_first(model: torch.nn.Module) -> Callable[[], None]:
     try:
         want = model(input_ids=_probe_ids(model)).logits
         for m in mlps:
-            m.forward = types.MethodType(_gate_up_first_forward, m)
+            m.forward = functools.partial(_gate_up_first_forward, m)  # a partial pickles and deep-copies
         if not torch.equal(model(input_ids=_probe_ids(model)).logits, want):
             restore()
             log.debug("the MLPs keep their own forward: gate_proj first changed the logits")
