@@ -18,6 +18,7 @@ from es_rank import fit_two_ranks, fit_weights
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 PROMPTS = ["Hi", "Write a much longer sentence about the sea and the sky"]
+DEVICE = "cuda"
 
 
 def _random_qwen(out, dtype: str = "bfloat16") -> str:
@@ -186,9 +187,11 @@ def test_a_prefills_rows_take_the_torch_ops_above_rank_1_repeatably_within_two_r
 
 
 @pytest.mark.parametrize("rank", [1, 8])
-def test_q_k_v_in_one_launch_equal_one_launch_each(rank):
-    """lowrank_add_linears_: q, k and v's terms in one launch (the grid picks the linear; esrl.es.shared_inputs says
-    when a model allows it) are the one-launch-per-linear kernel's, bit for bit. Shapes as Qwen2.5-1.5B's."""
+@pytest.mark.parametrize("n_outs", [(1536, 256, 256), (8960, 8960)], ids=["q_k_v", "gate_up"])
+def test_linears_in_one_launch_equal_one_launch_each(rank, n_outs):
+    """lowrank_add_linears_: q, k and v's terms (or an MLP's gate and up) in one launch (the grid picks the linear;
+    esrl.es.shared_inputs says when a model allows it) are the one-launch-per-linear kernel's, bit for bit. Shapes as
+    Qwen2.5-1.5B's."""
     from esrl.es.lowrank_kernel import lowrank_add_, lowrank_add_linears_
 
     torch.manual_seed(rank)
@@ -196,7 +199,7 @@ def test_q_k_v_in_one_launch_equal_one_launch_each(rank):
     xs = torch.randn(m, n, n_in, device="cuda").bfloat16()
     terms = [(torch.randn(m, n, n_out, device="cuda").bfloat16(),
               (torch.randn(m, rank, n_out, device="cuda") * 0.1).bfloat16(),
-              (torch.randn(m, rank, n_in, device="cuda") * 0.1).bfloat16()) for n_out in (1536, 256, 256)]
+              (torch.randn(m, rank, n_in, device="cuda") * 0.1).bfloat16()) for n_out in n_outs]
     one_each = [ys.clone() for ys, _, _ in terms]
     for ys, (_, a_t, b_t) in zip(one_each, terms):
         lowrank_add_(ys, xs, a_t, b_t)
@@ -204,6 +207,39 @@ def test_q_k_v_in_one_launch_equal_one_launch_each(rank):
     lowrank_add_linears_([(ys, a_t, b_t) for ys, (_, a_t, b_t) in zip(together, terms)], xs)
     for (ys, _, _), want, got in zip(terms, one_each, together):
         assert torch.equal(got, want) and not torch.equal(got, ys)
+
+
+@pytest.mark.parametrize("mode", ["lowrank", "lora"])
+def test_a_static_populations_shared_launches_give_the_logits_of_one_launch_each(qwen, mode, monkeypatch):
+    """A static population on CUDA adds q/k/v's and gate/up's terms in one launch a run, after the run's last linear
+    (up_proj run before act_fn: esrl.es.shared_inputs): the logits are those of one launch per linear, bit for bit,
+    as the kernel's sums do not depend on the launch and nothing reads an output before its terms are added."""
+    from esrl.es import get_mode, population
+    from esrl.es.config import ESConfig
+    from esrl.es.setup import build_policy, build_selection
+    from esrl.es.static_population import StaticPopulation
+    from esrl.models import load_causal_lm, load_tokenizer
+    from esrl.rollout.hf import rollout_attention
+
+    cfg = ESConfig(mode=mode, sigma=0.05, **(dict(rank=1) if mode == "lowrank" else dict(lora_rank=8, lora_alpha=16)))
+    tok, policy = load_tokenizer(qwen), load_causal_lm(qwen, "bfloat16").to(DEVICE)
+    if mode == "lora":
+        policy = build_policy(policy, cfg, 0)
+    selection, spec = build_selection(policy, cfg)
+    members = population(4, 0, 3)
+    enc = tok(PROMPTS * len(members), return_tensors="pt", padding=True).to(DEVICE)
+    rows = torch.arange(len(members)).repeat_interleave(len(PROMPTS))
+    logits = {}
+    for share in (False, True):
+        monkeypatch.setattr(StaticPopulation, "share_launches", share)
+        static = get_mode(mode).static_population(policy, selection, spec)
+        last = sorted(run[-1].removesuffix(".weight").rsplit(".", 1)[-1] for run in static.runs)
+        assert last == (sorted(["up_proj", "v_proj"] * policy.config.num_hidden_layers) if share else [])
+        static.load(members)
+        with torch.no_grad(), rollout_attention(enc["input_ids"].device), static.population(rows):
+            logits[share] = policy(**enc).logits
+        static.remove()
+    assert torch.equal(logits[True], logits[False])
 
 
 def test_a_group_of_matrices_drawn_in_one_launch_equals_each_drawn_alone():
