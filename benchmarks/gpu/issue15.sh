@@ -9,7 +9,7 @@
 # sbs: the same rows side by side in ONE process (es_throughput.py --rounds), so their ratios share the machine's state.
 # tiles: benchmarks/gpu/lowrank_tiles.py (the member-term kernel's block sizes, per 1.5B projection, rank 1 and 8).
 # kernel: the same, launch_plan's blocks only, side by side: lora's rank-8 factors in bf16 (its buffers) or fp32, q, k
-# and v's terms in one launch or three (`one_over_three`, `ms_saved_per_step`), and the torch ops against the kernel
+# and v's terms (gate and up's) in one launch or one each (`one_over_each`, `ms_saved_per_step`), the torch ops against the kernel
 # at decode and prefill (`torch_over_kernel`; above KERNEL_ROWS rows a member, ranks over 1 take the torch ops).
 # KERNEL_ARGS overrides its ranks and factor dtypes.
 # inside: benchmarks/gpu/inside_gemm.py (the member terms inside each projection's GEMM, [x | C] @ [W | A_all^T]^T,
@@ -26,7 +26,9 @@
 # next: what the next device session runs first within its 15 minutes (about 9 with the machine's start): inside
 # (lora's one unpriced lever, ~1 minute), lora's recorded step profiled beside the floor's (where its ~0.1 ms a step
 # over the kernel's own 1.25 ms goes), the GPU tests (~3 minutes), then floor, lowrank and lora side by side, with
-# lora-apart (lora with an MLP's gate and up terms in launches of their own, as before session 29: prices that merge).
+# lora-apart (lora with an MLP's gate and up terms in launches of their own, as before session 29: prices that merge;
+# `kernel` at rank 8, ~1 minute, prices the launch alone, graph-timed). GRPO's DeepSpeed tests get what is left of
+# 585 s (likely none: run `issue15.sh deepspeed` in the second call).
 # PROFILE_ARGS: decode_profile.py's flags. deepspeed: benchmarks/gpu/issue16.sh (tests/test_gpu_deepspeed.py, GRPO under ZeRO 1
 # and 2; session 26's assertions not run yet) in what is left of 585 s, or DEEPSPEED_S seconds.
 # .whl holds the wheels the GPU image lacks (jsonargparse, docstring-parser, typeshed-client); .gpu/tok the
@@ -51,7 +53,7 @@ fused() {  # recorded only, then torch.compile'd and recorded, each in one proce
 }
 kernel() {  # launch_plan's blocks and the torch ops side by side, per projection
   timeout ${KERNEL_S:-240} python3 benchmarks/gpu/lowrank_tiles.py ${KERNEL_ARGS:---ranks 1,8 --factor-dtypes bfloat16,float32} \
-    --default-only 2>&1 | quiet | tee "$OUT/lowrank_kernel.jsonl" | grep -E '"best"|"qkv"|Error'
+    --default-only 2>&1 | quiet | tee "$OUT/lowrank_kernel.jsonl" | grep -E '"best"|"linears"|Error'
 }
 inside() {  # the member terms inside the projection's GEMM, priced per projection before anyone builds it
   timeout ${INSIDE_S:-120} python3 benchmarks/gpu/inside_gemm.py 2>&1 | quiet | tee "$OUT/inside_gemm.jsonl" | grep -E 'per_step|Error'
@@ -61,7 +63,9 @@ sbs() {  # the ratios side by side in one process, 3 rounds
 }
 # first: the measurement the session is for (the one lever for lora not priced yet: the terms inside the GEMM), then
 # the profile, the GPU tests (lora's two fused fits are new), then the ratios side by side; about 8 minutes
-if [ -n "$NEXT" ]; then INSIDE_S=75 inside; TESTS_S=${TESTS_S:-240}; fi
+if [ -n "$NEXT" ]; then  # and gate/up's one launch at rank 8, graph-timed (session 29's merge, bit-equality included)
+  INSIDE_S=75 inside; KERNEL_S=60 KERNEL_ARGS="--ranks 8 --factor-dtypes bfloat16" kernel; TESTS_S=${TESTS_S:-240}
+fi
 if has profile; then
   timeout 150 python3 benchmarks/gpu/decode_profile.py ${PROFILE_ARGS:-} 2>&1 | quiet | tee "$OUT/decode_profile.log"
 fi
