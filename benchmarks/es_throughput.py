@@ -14,8 +14,9 @@ Each mode runs in its own fresh process (so the peak-RSS figures do not mix):
            all 30 members on a laptop CPU: `--full-members K` members are timed and the per-member mean is
            extrapolated to N (said so in the output); the update (30 full-size noise regenerations) is run for real.
 
-A mode name ending in `-apart` (lowrank-apart, lora-apart) builds that mode's static population with an MLP's gate
-and up terms in launches of their own (StaticPopulation.gate_up_first off), to price that one launch side by side.
+A mode name ending in a variant builds that mode's static population with one StaticPopulation switch changed, to
+price it side by side: `-apart` (lowrank-apart, lora-apart) an MLP's gate and up terms in launches of their own
+(gate_up_first off), `-inside` the MLPs' terms inside their GEMMs (terms_inside on; esrl.es.inside_terms).
 
 Side by side (`--rounds R`): all --modes in ONE process instead, each on its own model copy, one unit of each per
 round in a rotated order, R rounds; prints each mode's times, and its time over the first mode's (median of the
@@ -53,6 +54,10 @@ import torch
 from bench_setup import PeakRSS, bench_rows, build_model, cpu_model, peak_memory_mb, timed_generate
 
 
+VARIANTS = {"-apart": ("gate_up_first", False), "-inside": ("terms_inside", True)}
+"""Mode-name suffixes: the StaticPopulation switch each sets while the mode's population is built."""
+
+
 def prepare(mode: str, args) -> tuple[object, callable]:
     """(engine, unit) for one mode on its own model copy: `unit()` runs one timed unit and returns (seconds,
     tokens, extra fields). floor/single: a plain batched generate of N x P (single: P) rows; lowrank/lora: one whole
@@ -68,7 +73,8 @@ def prepare(mode: str, args) -> tuple[object, callable]:
     from esrl.rollout import HFEngine
     from esrl.tasks import build_task
 
-    apart, mode = mode.endswith("-apart"), mode.removesuffix("-apart")
+    variant = next(((suffix, switch) for suffix, switch in VARIANTS.items() if mode.endswith(suffix)), None)
+    mode = mode.removesuffix(variant[0]) if variant else mode
     model = build_model(args.model, args.device, args.dtype)
     tok = load_tokenizer(args.tokenizer)
     task = build_task("conciseness")
@@ -90,8 +96,8 @@ def prepare(mode: str, args) -> tuple[object, callable]:
     def iteration(sel, spec, noise_mode, extra: dict):
         opt = torch.optim.SGD(sel.params, lr=1e-3)
         backend = InPlaceES(engine, model, sel, spec, noise_mode)
-        if apart:  # the static population built now, gate and up apart (a later unit reloads its members)
-            with mock.patch.object(StaticPopulation, "gate_up_first", False):
+        if variant:  # the static population built now, with the variant's switch (a later unit reloads its members)
+            with mock.patch.object(StaticPopulation, *variant[1]):
                 backend.row_weights(members)
 
         def unit():

@@ -192,16 +192,19 @@ def test_a_decoder_is_made_once_per_shape_and_anew_after_a_hook_change(setup):
     assert [k.context for k in engine._decoders] == [before] and len(engine.compile_times()) == 4
 
 
-def test_fused_step_gives_the_static_steps_tokens_with_and_without_a_population(setup, monkeypatch):
+@pytest.mark.parametrize("inside", [False, True], ids=["kernel", "inside"])
+def test_fused_step_gives_the_static_steps_tokens_with_and_without_a_population(setup, monkeypatch, inside):
     """compile: fused runs the same step through torch.compile (Inductor's C++ kernels here, Triton on a GPU): greedy
     tokens equal the unfused static path's, for the base model and for a lowrank population read from its buffers
     (q, k and v adding their terms in one call after v_proj, as on a GPU; the traced step takes the path an eager step
-    takes, on a CPU the torch ops); one compile per decoder, reused by the next call."""
+    takes, on a CPU the torch ops; inside: the MLPs' terms inside their GEMMs, esrl.es.inside_terms); one compile per
+    decoder, reused by the next call."""
     from esrl.es.engines import InPlaceES
     from esrl.es.static_population import StaticPopulation
     from esrl.rollout.hf import HFEngine as Engine
 
     monkeypatch.setattr(StaticPopulation, "share_launches", True)
+    monkeypatch.setattr(StaticPopulation, "terms_inside", inside)
 
     model, _, compiled = setup
     fused = Engine(model, compiled.tokenizer, compile="fused", prompt_bucket=16)
@@ -220,6 +223,7 @@ def test_fused_step_gives_the_static_steps_tokens_with_and_without_a_population(
         results.append([_tokens(m) for m in engine.generate_population(
             PROMPTS, 3, backend.row_weights(members), max_new_tokens=NEW, min_new_tokens=NEW)])
         assert len(backend.static.runs) == 2 * model.config.num_hidden_layers  # q/k/v and gate/up, a layer
+        assert len(backend.static._inside) == (model.config.num_hidden_layers if inside else 0)
         backend.static.remove()
     assert results[0] == results[1] and len({tuple(m[-1]) for m in results[1]}) > 1
     assert len(fused.compile_times()) == 2  # the base shape once, the population's once

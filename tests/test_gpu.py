@@ -209,11 +209,9 @@ def test_linears_in_one_launch_equal_one_launch_each(rank, n_outs):
         assert torch.equal(got, want) and not torch.equal(got, ys)
 
 
-@pytest.mark.parametrize("mode", ["lowrank", "lora"])
-def test_a_static_populations_shared_launches_give_the_logits_of_one_launch_each(qwen, mode, monkeypatch):
-    """A static population on CUDA adds q/k/v's and gate/up's terms in one launch a run, after the run's last linear
-    (up_proj run before act_fn: esrl.es.shared_inputs): the logits are those of one launch per linear, bit for bit,
-    as the kernel's sums do not depend on the launch and nothing reads an output before its terms are added."""
+def _static_logits(qwen, mode: str, monkeypatch, **switches) -> dict:
+    """Logits of a population of 3 members on the PROMPTS through the mode's static population on CUDA, once per
+    setting of StaticPopulation's switches (`switches`: name -> values, one forward each), and the base logits."""
     from esrl.es import get_mode, population
     from esrl.es.config import ESConfig
     from esrl.es.setup import build_policy, build_selection
@@ -229,17 +227,45 @@ def test_a_static_populations_shared_launches_give_the_logits_of_one_launch_each
     members = population(4, 0, 3)
     enc = tok(PROMPTS * len(members), return_tensors="pt", padding=True).to(DEVICE)
     rows = torch.arange(len(members)).repeat_interleave(len(PROMPTS))
-    logits = {}
-    for share in (False, True):
-        monkeypatch.setattr(StaticPopulation, "share_launches", share)
-        static = get_mode(mode).static_population(policy, selection, spec)
-        last = sorted(run[-1].removesuffix(".weight").rsplit(".", 1)[-1] for run in static.runs)
-        assert last == (sorted(["up_proj", "v_proj"] * policy.config.num_hidden_layers) if share else [])
-        static.load(members)
-        with torch.no_grad(), rollout_attention(enc["input_ids"].device), static.population(rows):
-            logits[share] = policy(**enc).logits
-        static.remove()
-    assert torch.equal(logits[True], logits[False])
+    with torch.no_grad(), rollout_attention(enc["input_ids"].device):
+        out = {"base": policy(**enc).logits.float(), "layers": policy.config.num_hidden_layers}
+        for name, values in switches.items():
+            for value in values:
+                monkeypatch.setattr(StaticPopulation, name, value)
+                static = get_mode(mode).static_population(policy, selection, spec)
+                static.load(members)
+                with static.population(rows):
+                    out[name, value] = [policy(**enc).logits.float() for _ in range(2)]
+                out[name, value, "runs"] = sorted(run[-1].removesuffix(".weight").rsplit(".", 1)[-1]
+                                                  for run in static.runs)
+                out[name, value, "inside"] = len(static._inside)
+                static.remove()
+    return out
+
+
+@pytest.mark.parametrize("mode", ["lowrank", "lora"])
+def test_a_static_populations_shared_launches_give_the_logits_of_one_launch_each(qwen, mode, monkeypatch):
+    """A static population on CUDA adds q/k/v's and gate/up's terms in one launch a run, after the run's last linear
+    (up_proj run before act_fn: esrl.es.shared_inputs): the logits are those of one launch per linear, bit for bit,
+    as the kernel's sums do not depend on the launch and nothing reads an output before its terms are added."""
+    out = _static_logits(qwen, mode, monkeypatch, share_launches=[False, True])
+    assert out["share_launches", True, "runs"] == sorted(["up_proj", "v_proj"] * out["layers"])
+    assert out["share_launches", False, "runs"] == []
+    assert torch.equal(out["share_launches", True][0], out["share_launches", False][0])
+
+
+@pytest.mark.parametrize("mode", ["lowrank", "lora"])
+def test_the_mlps_terms_inside_their_gemms_repeat_and_match_the_kernels_within_bf16(qwen, mode, monkeypatch):
+    """terms_inside (esrl.es.inside_terms): each MLP's member terms as extra columns of its GEMMs give the same
+    logits twice, bit for bit, and differ from the kernel path's by bf16 roundings only (c rounded before the
+    product, each output rounded once): far less than the perturbation's own effect."""
+    monkeypatch.setattr("esrl.es.static_population.StaticPopulation.share_launches", True)
+    out = _static_logits(qwen, mode, monkeypatch, terms_inside=[False, True])
+    assert out["terms_inside", True, "inside"] == out["layers"] and out["terms_inside", False, "inside"] == 0
+    (kernel, kernel_again), (inside, inside_again) = out["terms_inside", False], out["terms_inside", True]
+    assert torch.equal(inside, inside_again) and torch.equal(kernel, kernel_again)
+    effect = (kernel - out["base"]).norm()
+    assert effect > 0 and (inside - kernel).norm() <= 0.1 * effect, (float((inside - kernel).norm()), float(effect))
 
 
 def test_a_group_of_matrices_drawn_in_one_launch_equals_each_drawn_alone():

@@ -15,9 +15,11 @@ PROMPTS = ["Hi", "Write a much longer sentence about the sea and the sky"]
 NEW = 8
 
 
+@pytest.mark.parametrize("inside", [False, True], ids=["kernel", "inside"])
 @pytest.mark.parametrize("mode_name,fields", [("lowrank", dict(rank=1)), ("lowrank", dict(rank=2)),
                                               ("lora", dict(lora_rank=4, lora_alpha=8))])
-def test_static_population_equals_eager_hooks(tiny_model, mode_name, fields, monkeypatch):
+def test_static_population_equals_eager_hooks(tiny_model, mode_name, fields, inside, monkeypatch):
+    """inside: the MLPs' terms inside their GEMMs (esrl.es.inside_terms) instead of the hooks' kernel path."""
     from esrl.es import get_mode, population
     from esrl.es.config import ESConfig
     from esrl.es.engines import InPlaceES
@@ -27,6 +29,7 @@ def test_static_population_equals_eager_hooks(tiny_model, mode_name, fields, mon
     from esrl.rollout import HFEngine
 
     monkeypatch.setattr(StaticPopulation, "share_launches", True)  # q, k and v in one call, as on a GPU
+    monkeypatch.setattr(StaticPopulation, "terms_inside", inside)
     cfg = ESConfig(mode=mode_name, sigma=0.05, **fields)
     tok, policy = load_tokenizer(tiny_model), load_causal_lm(tiny_model)
     if mode_name == "lora":
@@ -53,6 +56,11 @@ def test_static_population_equals_eager_hooks(tiny_model, mode_name, fields, mon
             # up_proj (its MLP's up_proj called before act_fn: esrl.es.shared_inputs)
             last = [run[-1].removesuffix(".weight").rsplit(".", 1)[-1] for run in backend.static.runs]
             assert sorted(last) == sorted(["v_proj", "up_proj"] * policy.config.num_hidden_layers)
+            assert len(backend.static._inside) == (policy.config.num_hidden_layers if inside else 0)
+            with torch.no_grad():  # the weights move between chunks (lowrank's update): the next load follows
+                for name, p in policy.named_parameters():
+                    if "mlp" in name and "lora" not in name:
+                        p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)), alpha=0.05)
     base = [c.token_ids for c in eager.generate(PROMPTS, max_new_tokens=NEW, min_new_tokens=NEW)]
     assert [c.token_ids for c in static.generate(PROMPTS, max_new_tokens=NEW, min_new_tokens=NEW)] == base
     assert {n: p.requires_grad for n, p in policy.named_parameters()} == grads

@@ -27,7 +27,8 @@
 # (lora's one unpriced lever, ~1 minute), lora's recorded step profiled beside the floor's (where its ~0.1 ms a step
 # over the kernel's own 1.25 ms goes), the GPU tests (~3 minutes), then floor, lowrank and lora side by side, with
 # lora-apart (lora with an MLP's gate and up terms in launches of their own, as before session 29: prices that merge;
-# `kernel` at rank 8, ~1 minute, prices the launch alone, graph-timed). GRPO's DeepSpeed tests get what is left of
+# `kernel` at rank 8, ~1 minute, prices the launch alone, graph-timed) and lora-inside (the MLPs' terms inside their
+# GEMMs, esrl.es.inside_terms, off by default until this prices it). GRPO's DeepSpeed tests get what is left of
 # 585 s (likely none: run `issue15.sh deepspeed` in the second call).
 # PROFILE_ARGS: decode_profile.py's flags. deepspeed: benchmarks/gpu/issue16.sh (tests/test_gpu_deepspeed.py, GRPO under ZeRO 1
 # and 2; session 26's assertions not run yet) in what is left of 585 s, or DEEPSPEED_S seconds.
@@ -35,7 +36,7 @@
 # embedded model's config and tokenizer files (no weights).
 set -uo pipefail
 STEPS=${1:-profile,tests,bench1,bench2,e2e}
-NEXT=""; [ "$STEPS" = next ] && { NEXT=1; STEPS=profile,tests,sbs,deepspeed; PROFILE_ARGS=${PROFILE_ARGS:---modes floor,lora}; SBS_MODES=${SBS_MODES:-floor,lowrank,lora,lora-apart}; }
+NEXT=""; [ "$STEPS" = next ] && { NEXT=1; STEPS=profile,tests,sbs,deepspeed; PROFILE_ARGS=${PROFILE_ARGS:---modes floor,lora}; SBS_MODES=${SBS_MODES:-floor,lowrank,lora,lora-apart,lora-inside}; }
 OUT=${OUT:-/tmp/esrl_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1

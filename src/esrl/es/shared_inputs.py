@@ -53,7 +53,7 @@ def late_runs(model: torch.nn.Module, targets: Sequence[tuple[str, torch.nn.Modu
         return []
 
 
-def _gate_up_first_forward(self, x: torch.Tensor) -> torch.Tensor:
+def gate_up_first_forward(self, x: torch.Tensor) -> torch.Tensor:
     """A gated MLP's forward with up_proj run before act_fn reads gate's output: the same ops on the same tensors
     (so the same output, bit for bit), but gate_proj and up_proj are now called one after another, so their member
     terms can take one launch after up_proj."""
@@ -77,7 +77,7 @@ def gate_up_first(model: torch.nn.Module) -> Callable[[], None]:
     try:
         want = model(input_ids=_probe_ids(model)).logits
         for m in mlps:
-            m.forward = functools.partial(_gate_up_first_forward, m)  # a partial pickles and deep-copies
+            m.forward = functools.partial(gate_up_first_forward, m)  # a partial pickles and deep-copies
         if not torch.equal(model(input_ids=_probe_ids(model)).logits, want):
             restore()
             log.debug("the MLPs keep their own forward: gate_proj first changed the logits")

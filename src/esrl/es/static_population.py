@@ -19,6 +19,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from esrl.es.inside_terms import inside_mlps
 from esrl.es.lowrank_kernel import MAX_LINEARS, lowrank_add_linears_
 from esrl.es.noise import Member, NoiseSpec
 from esrl.es.params import ParamSelection
@@ -31,6 +32,9 @@ class StaticPopulation:
     where it saves kernel launches. On a CPU the torch ops are the same either way, and adding q's term after k and
     v ran made SmolLM2's lowrank forward slower (q's output out of cache; RESULTS, session 20); the CPU tests turn it
     on to check the GPU's bookkeeping."""
+    terms_inside: bool = False
+    """Where gate_up_first holds: a gated MLP's terms inside its projections' own GEMMs (esrl.es.inside_terms) instead
+    of the kernel. Off until timed on a GPU; `es_throughput.py --modes lora-inside` prices it."""
     gate_up_first: bool = True
     """Where launches are shared: run a gated MLP's up_proj before act_fn reads gate (the same output bit for bit,
     esrl.es.shared_inputs.gate_up_first) so gate's and up's terms take one launch too, a launch fewer per layer."""
@@ -54,6 +58,7 @@ class StaticPopulation:
                 if self.gate_up_first:
                     self._restore_mlps = gate_up_first(model)
                 self.runs = late_runs(model, targets, MAX_LINEARS)
+        self._inside = inside_mlps(model, targets, lambda: self.active) if share and self.terms_inside else []
         run_of = {key: run for run in self.runs for key in run}
         self._pending: dict[str, torch.Tensor] = {}  # outputs of a run's first modules, until its last one
         self._handles = [module.register_forward_hook(self._hook(key, run_of.get(key))) for key, module in targets]
@@ -91,6 +96,8 @@ class StaticPopulation:
         else:
             self._refill(self._sizes[self.members], members)
         self._buffers = self._sizes[self.members]
+        for inside in self._inside:
+            inside.load(self._buffers, self.members)
 
     @contextmanager
     def population(self, row_member: torch.Tensor) -> Iterator[None]:
