@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from esrl.es.lowrank_kernel import KERNEL_ROWS
 from esrl.es.shared_inputs import gate_up_first_forward
 
 
@@ -61,18 +62,22 @@ class InsideMLP:
 
     def _buffers(self, rows: int) -> tuple[torch.Tensor, ...]:
         """[C_gate | x | C_up] and [act(gate) * up | C_down] for `rows` rows, zeros off the diagonal blocks, and the
-        views of their blocks (M, n, r) and x's columns."""
+        views (M, n, r) of their blocks. A decode step's (up to KERNEL_ROWS rows a member) are kept, at fixed
+        addresses for a recorded step (per inference mode: inference tensors take no in-place writes outside it);
+        a prefill's, far larger and one shape per prompt bucket, are made per call."""
         key = (self.members, rows, torch.is_inference_mode_enabled())
-        if key not in self._inputs:
-            m, (b_g, _, b_d) = self.members, self._factors
-            r, n_in, inter = b_g.shape[1], b_g.shape[2], b_d.shape[2]
-            n, mr = rows // m, m * r
-            xc = b_g.new_zeros(rows, 2 * mr + n_in)
-            xd = b_d.new_zeros(rows, inter + mr)
-            blocks = lambda t, start: t.as_strided((m, n, r), (n * t.shape[1] + r, t.shape[1], 1),
-                                                   t.storage_offset() + start)
-            self._inputs[key] = (xc, xd, blocks(xc, 0), blocks(xc, mr + n_in), blocks(xd, inter))
-        return self._inputs[key]
+        if key in self._inputs:
+            return self._inputs[key]
+        m, (b_g, _, b_d) = self.members, self._factors
+        r, n_in, inter = b_g.shape[1], b_g.shape[2], b_d.shape[2]
+        n, mr = rows // m, m * r
+        xc = b_g.new_zeros(rows, 2 * mr + n_in)
+        xd = b_d.new_zeros(rows, inter + mr)
+        blocks = lambda t, start: t.as_strided((m, n, r), (n * t.shape[1] + r, t.shape[1], 1), start)
+        made = (xc, xd, blocks(xc, 0), blocks(xc, mr + n_in), blocks(xd, inter))
+        if n <= KERNEL_ROWS:
+            self._inputs[key] = made
+        return made
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP with its members' terms inside the GEMMs while the population is active, else gate_up_first's
