@@ -113,8 +113,8 @@ def inside_mlps(model: torch.nn.Module, targets: list[tuple[str, torch.nn.Module
             continue
         linears = tuple(getattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj"))
         linears = tuple(getattr(l, "base_layer", l) for l in linears)  # a PEFT LoRA layer: its base Linear
-        if any(id(l) not in key_of or getattr(l, "bias", None) is not None for l in linears):
-            continue
+        if any(id(l) not in key_of or type(l) is not torch.nn.Linear or l.bias is not None for l in linears):
+            continue  # a plain bias-free Linear each (not a quantized one), all perturbed
         if len({l.weight.dtype for l in linears}) != 1:
             continue
         inside = InsideMLP(mlp, tuple(key_of[id(l)] for l in linears), linears, active)
