@@ -3,7 +3,7 @@
 # floor, lowrank, lora, a single member's generate and full mode), then configs/es_conciseness.yaml end to end.
 # Steps run in order of priority, each under its own time limit; everything lands in $OUT.
 #
-#   device run (carry .whl .gpu):  bash benchmarks/gpu/issue15.sh [steps]   steps: next or profile,tests,kernel,inside,tiles,bench1,bench2,sbs,deepspeed,fused,host,prefill,determinism,memory,e2e
+#   device run (carry .whl .gpu):  bash benchmarks/gpu/issue15.sh [steps]   steps: next, then, or profile,tests,kernel,inside,tiles,bench1,bench2,sbs,deepspeed,fused,host,prefill,determinism,memory,e2e
 # E2E_ARGS adds esrl fit flags to e2e (e.g. "--model.rollout.compile fused"); DET_COMPILE=on limits determinism to the
 # recorded path (the default on CUDA); BENCH2_MODES overrides bench2's modes (e.g. single,full).
 # sbs: the same rows side by side in ONE process (es_throughput.py --rounds), so their ratios share the machine's state.
@@ -23,20 +23,20 @@
 # fused: floor, lowrank and lora with rollout.compile: fused (the step torch.compile'd, then recorded) beside the
 # recorded-only path, in one call each so their ratios are side by side; FUSED_COMPILES picks among "on fused" (each up
 # to ~3 minutes).
-# next: what the next device session runs first within its 15 minutes (about 9 with the machine's start): inside
-# (lora's one unpriced lever, ~1 minute), lora's recorded step profiled beside the floor's (where its ~0.1 ms a step
-# over the kernel's own 1.25 ms goes), the GPU tests (~3 minutes), then floor, lowrank and lora side by side, with
-# lora-apart (lora with an MLP's gate and up terms in launches of their own, as before session 29: prices that merge;
-# `kernel` at rank 8, ~1 minute, prices the launch alone, graph-timed) and lora-inside (the MLPs' terms inside their
-# GEMMs, esrl.es.inside_terms, off by default until this prices it). GRPO's DeepSpeed tests get what is left of
-# 585 s (likely none: run `issue15.sh deepspeed` in the second call).
+# next: what the next device session runs first within its 15 minutes (about 9-10 with the machine's start), the
+# pricing first: inside (inside_gemm.py, ~1 minute), then floor, lowrank, lora, lora-apart (an MLP's gate and up terms
+# in launches of their own, as before session 29) and lora-inside (the MLPs' terms inside their GEMMs,
+# esrl.es.inside_terms, off by default until this prices it) side by side (~3 minutes), then `kernel` at rank 8 (~1
+# minute: gate and up in one launch against one each, graph-timed), then the GPU tests (~3 minutes).
+# then: the second call, at once on the warm machine: lora's recorded step profiled beside the floor's, and deepspeed.
 # PROFILE_ARGS: decode_profile.py's flags. deepspeed: benchmarks/gpu/issue16.sh (tests/test_gpu_deepspeed.py, GRPO under ZeRO 1
 # and 2; session 26's assertions not run yet) in what is left of 585 s, or DEEPSPEED_S seconds.
 # .whl holds the wheels the GPU image lacks (jsonargparse, docstring-parser, typeshed-client); .gpu/tok the
 # embedded model's config and tokenizer files (no weights).
 set -uo pipefail
 STEPS=${1:-profile,tests,bench1,bench2,e2e}
-NEXT=""; [ "$STEPS" = next ] && { NEXT=1; STEPS=profile,tests,sbs,deepspeed; PROFILE_ARGS=${PROFILE_ARGS:---modes floor,lora}; SBS_MODES=${SBS_MODES:-floor,lowrank,lora,lora-apart,lora-inside}; }
+NEXT=""; [ "$STEPS" = next ] && { NEXT=1; STEPS=tests; SBS_MODES=${SBS_MODES:-floor,lowrank,lora,lora-apart,lora-inside}; }
+[ "$STEPS" = then ] && { STEPS=profile,deepspeed; PROFILE_ARGS=${PROFILE_ARGS:---modes floor,lora}; }
 OUT=${OUT:-/tmp/esrl_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
@@ -62,10 +62,9 @@ inside() {  # the member terms inside the projection's GEMM, priced per projecti
 sbs() {  # the ratios side by side in one process, 3 rounds
   (cd benchmarks && timeout ${SBS_S:-400} python3 es_throughput.py $BENCH --modes ${SBS_MODES:-floor,lowrank,lora,single} --compile on --rounds 3 ${SBS_ARGS:-} 2>&1 | tee "$OUT/bench_sbs${1:-}.log" | grep '^{')
 }
-# first: the measurement the session is for (the one lever for lora not priced yet: the terms inside the GEMM), then
-# the profile, the GPU tests (lora's two fused fits are new), then the ratios side by side; about 8 minutes
-if [ -n "$NEXT" ]; then  # and gate/up's one launch at rank 8, graph-timed (session 29's merge, bit-equality included)
-  INSIDE_S=75 inside; KERNEL_S=60 KERNEL_ARGS="--ranks 8 --factor-dtypes bfloat16" kernel; TESTS_S=${TESTS_S:-240}
+if [ -n "$NEXT" ]; then  # the pricing first (inside, the ratios side by side, gate/up's one launch), then the tests
+  INSIDE_S=75 inside; SBS_S=${SBS_S:-220} sbs; KERNEL_S=60 KERNEL_ARGS="--ranks 8 --factor-dtypes bfloat16" kernel
+  TESTS_S=${TESTS_S:-200}
 fi
 if has profile; then
   timeout 150 python3 benchmarks/gpu/decode_profile.py ${PROFILE_ARGS:-} 2>&1 | quiet | tee "$OUT/decode_profile.log"
