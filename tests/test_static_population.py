@@ -15,11 +15,12 @@ PROMPTS = ["Hi", "Write a much longer sentence about the sea and the sky"]
 NEW = 8
 
 
-@pytest.mark.parametrize("inside", [False, True], ids=["kernel", "inside"])
+@pytest.mark.parametrize("inside", [False, True, "decode"], ids=["kernel", "inside", "inside-decode-only"])
 @pytest.mark.parametrize("mode_name,fields", [("lowrank", dict(rank=1)), ("lowrank", dict(rank=2)),
                                               ("lora", dict(lora_rank=4, lora_alpha=8))])
 def test_static_population_equals_eager_hooks(tiny_model, mode_name, fields, inside, monkeypatch):
-    """inside: the MLPs' terms inside their GEMMs (esrl.es.inside_terms) instead of the hooks' kernel path."""
+    """inside: the MLPs' terms inside their GEMMs (esrl.es.inside_terms) instead of the hooks' kernel path; at a
+    decode step only ("decode": KERNEL_ROWS below the prefill's rows a member, so the prefill takes the hooks)."""
     from esrl.es import get_mode, population
     from esrl.es.config import ESConfig
     from esrl.es.engines import InPlaceES
@@ -29,7 +30,9 @@ def test_static_population_equals_eager_hooks(tiny_model, mode_name, fields, ins
     from esrl.rollout import HFEngine
 
     monkeypatch.setattr(StaticPopulation, "share_launches", True)  # q, k and v in one call, as on a GPU
-    monkeypatch.setattr(StaticPopulation, "terms_inside", inside)
+    monkeypatch.setattr(StaticPopulation, "terms_inside", bool(inside))
+    if inside == "decode":
+        monkeypatch.setattr("esrl.es.inside_terms.KERNEL_ROWS", len(PROMPTS))
     cfg = ESConfig(mode=mode_name, sigma=0.05, **fields)
     tok, policy = load_tokenizer(tiny_model), load_causal_lm(tiny_model)
     if mode_name == "lora":

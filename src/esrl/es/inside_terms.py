@@ -10,6 +10,7 @@ Gate and up share one input buffer laid out [C_gate | x | C_up], so each reads a
 act(gate) * up, is written straight into its buffer. Against the kernel path: c rounded to the model's dtype before
 the product (as the prefill's torch ops do), and each output rounded once (the kernel path rounds x W^T first).
 
+A decode step only (up to KERNEL_ROWS rows a member): a prefill's terms stay the hooks' batched GEMMs, as timed.
 The weights are copied into the wider ones at each chunk's load (lowrank's move every update), so the MLPs' weights
 are held twice while a population lives (a 1.5B model: 2.3 GB in bf16). Off by default until timed on a GPU
 (`StaticPopulation.terms_inside`; benchmarks/gpu/NOTES_issue15.md). Plain torch.
@@ -62,32 +63,31 @@ class InsideMLP:
 
     def _buffers(self, rows: int) -> tuple[torch.Tensor, ...]:
         """[C_gate | x | C_up] and [act(gate) * up | C_down] for `rows` rows, zeros off the diagonal blocks, and the
-        views (M, n, r) of their blocks. A decode step's (up to KERNEL_ROWS rows a member) are kept, at fixed
-        addresses for a recorded step (per inference mode: inference tensors take no in-place writes outside it);
-        a prefill's, far larger and one shape per prompt bucket, are made per call."""
+        views (M, n, r) of their blocks: kept per shape, at fixed addresses for a recorded step (and per inference
+        mode: an inference tensor takes no in-place write outside it)."""
         key = (self.members, rows, torch.is_inference_mode_enabled())
-        if key in self._inputs:
-            return self._inputs[key]
-        m, (b_g, _, b_d) = self.members, self._factors
-        r, n_in, inter = b_g.shape[1], b_g.shape[2], b_d.shape[2]
-        n, mr = rows // m, m * r
-        xc = b_g.new_zeros(rows, 2 * mr + n_in)
-        xd = b_d.new_zeros(rows, inter + mr)
-        blocks = lambda t, start: t.as_strided((m, n, r), (n * t.shape[1] + r, t.shape[1], 1), start)
-        made = (xc, xd, blocks(xc, 0), blocks(xc, mr + n_in), blocks(xd, inter))
-        if n <= KERNEL_ROWS:
-            self._inputs[key] = made
-        return made
+        if key not in self._inputs:
+            m, (b_g, _, b_d) = self.members, self._factors
+            r, n_in, inter = b_g.shape[1], b_g.shape[2], b_d.shape[2]
+            n, mr = rows // m, m * r
+            xc = b_g.new_zeros(rows, 2 * mr + n_in)
+            xd = b_d.new_zeros(rows, inter + mr)
+            blocks = lambda t, start: t.as_strided((m, n, r), (n * t.shape[1] + r, t.shape[1], 1), start)
+            self._inputs[key] = (xc, xd, blocks(xc, 0), blocks(xc, mr + n_in), blocks(xd, inter))
+        return self._inputs[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The MLP with its members' terms inside the GEMMs while the population is active, else gate_up_first's
-        forward (the projections' hooks add the terms then, if active: factors of another dtype than the weights)."""
-        if not self.active() or not self.members:
+        """The MLP with its members' terms inside the GEMMs while the population is active and decodes (up to
+        KERNEL_ROWS rows a member), else gate_up_first's forward, whose projections' hooks add the terms if active:
+        a prefill's (the batched GEMMs, as timed; and no buffers per prompt bucket), or a chunk whose factors have
+        another dtype than the weights."""
+        n_in = x.shape[-1]
+        rows = x.numel() // n_in
+        if not self.active() or not self.members or rows // self.members > KERNEL_ROWS:
             return gate_up_first_forward(self.mlp, x)
         m, (b_g, b_u, b_d) = self.members, self._factors
         w_g, w_u, w_d = self._weights[m]
-        n_in, mr = x.shape[-1], m * b_g.shape[1]
-        rows = x.numel() // n_in
+        mr = m * b_g.shape[1]
         xc, xd, c_g, c_u, c_d = self._buffers(rows)
         flat = x.reshape(rows, n_in)
         xc[:, mr:mr + n_in].copy_(flat)
