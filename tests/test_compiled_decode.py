@@ -197,8 +197,8 @@ def test_fused_step_gives_the_static_steps_tokens_with_and_without_a_population(
     """compile: fused runs the same step through torch.compile (Inductor's C++ kernels here, Triton on a GPU): greedy
     tokens equal the unfused static path's, for the base model and for a lowrank population read from its buffers
     (q, k and v adding their terms in one call after v_proj, as on a GPU; the traced step takes the path an eager step
-    takes, on a CPU the torch ops; inside: the MLPs' terms inside their GEMMs, esrl.es.inside_terms); one compile per
-    decoder, reused by the next call."""
+    takes, on a CPU the torch ops; inside: the static step adds the MLPs' terms inside their GEMMs, esrl.es.inside_terms,
+    and the fused one the torch ops still); one compile per decoder, reused by the next call."""
     from esrl.es.engines import InPlaceES
     from esrl.es.static_population import StaticPopulation
     from esrl.rollout.hf import HFEngine as Engine
@@ -218,10 +218,12 @@ def test_fused_step_gives_the_static_steps_tokens_with_and_without_a_population(
     selection, spec = build_selection(model, cfg)
     mode, members = get_mode("lowrank"), population(4, 0, 3)
     results = []
+    torch._dynamo.utils.counters.clear()
     for engine in (compiled, fused):
         backend = InPlaceES(engine, model, selection, spec, mode)
         results.append([_tokens(m) for m in engine.generate_population(
             PROMPTS, 3, backend.row_weights(members), max_new_tokens=NEW, min_new_tokens=NEW)])
+        assert not torch._dynamo.utils.counters["graph_break"]  # the fused step is one graph, hooks and all
         assert len(backend.static.runs) == 2 * model.config.num_hidden_layers  # q/k/v and gate/up, a layer
         assert len(backend.static._inside) == (model.config.num_hidden_layers if inside else 0)
         backend.static.remove()

@@ -209,9 +209,10 @@ def test_linears_in_one_launch_equal_one_launch_each(rank, n_outs):
         assert torch.equal(got, want) and not torch.equal(got, ys)
 
 
-def _static_logits(qwen, mode: str, monkeypatch, **switches) -> dict:
+def _static_logits(qwen, mode: str, monkeypatch, decode: bool = False, **switches) -> dict:
     """Logits of a population of 3 members on the PROMPTS through the mode's static population on CUDA, once per
-    setting of StaticPopulation's switches (`switches`: name -> values, one forward each), and the base logits."""
+    setting of StaticPopulation's switches (`switches`: name -> values, two forwards each), and the base logits.
+    decode: the prompts' last tokens alone, one a row (a decode step's shape)."""
     from esrl.es import get_mode, population
     from esrl.es.config import ESConfig
     from esrl.es.setup import build_policy, build_selection
@@ -226,6 +227,8 @@ def _static_logits(qwen, mode: str, monkeypatch, **switches) -> dict:
     selection, spec = build_selection(policy, cfg)
     members = population(4, 0, 3)
     enc = tok(PROMPTS * len(members), return_tensors="pt", padding=True).to(DEVICE)
+    if decode:
+        enc = {"input_ids": enc["input_ids"][:, -1:]}
     rows = torch.arange(len(members)).repeat_interleave(len(PROMPTS))
     with torch.no_grad(), rollout_attention(enc["input_ids"].device):
         out = {"base": policy(**enc).logits.float(), "layers": policy.config.num_hidden_layers}
@@ -238,7 +241,7 @@ def _static_logits(qwen, mode: str, monkeypatch, **switches) -> dict:
                     out[name, value] = [policy(**enc).logits.float() for _ in range(2)]
                 out[name, value, "runs"] = sorted(run[-1].removesuffix(".weight").rsplit(".", 1)[-1]
                                                   for run in static.runs)
-                out[name, value, "inside"] = len(static._inside)
+                out[name, value, "inside"] = sum(len(x._inputs) for x in static._inside)  # decode buffers made
                 static.remove()
     return out
 
@@ -256,16 +259,52 @@ def test_a_static_populations_shared_launches_give_the_logits_of_one_launch_each
 
 @pytest.mark.parametrize("mode", ["lowrank", "lora"])
 def test_the_mlps_terms_inside_their_gemms_repeat_and_match_the_kernels_within_bf16(qwen, mode, monkeypatch):
-    """terms_inside (esrl.es.inside_terms): each MLP's member terms as extra columns of its GEMMs give the same
-    logits twice, bit for bit, and differ from the kernel path's by bf16 roundings only (c rounded before the
-    product, each output rounded once): far less than the perturbation's own effect."""
+    """terms_inside (esrl.es.inside_terms): each MLP's member terms as extra columns of its GEMMs, at a decode-shaped
+    forward (one token a row), give the same logits twice, bit for bit, and differ from the kernel path's by bf16
+    roundings only (c rounded before the product, each output rounded once): far less than the perturbation's own
+    effect."""
     monkeypatch.setattr("esrl.es.static_population.StaticPopulation.share_launches", True)
-    out = _static_logits(qwen, mode, monkeypatch, terms_inside=[False, True])
+    out = _static_logits(qwen, mode, monkeypatch, decode=True, terms_inside=[False, True])
     assert out["terms_inside", True, "inside"] == out["layers"] and out["terms_inside", False, "inside"] == 0
     (kernel, kernel_again), (inside, inside_again) = out["terms_inside", False], out["terms_inside", True]
     assert torch.equal(inside, inside_again) and torch.equal(kernel, kernel_again)
     effect = (kernel - out["base"]).norm()
     assert effect > 0 and (inside - kernel).norm() <= 0.1 * effect, (float((inside - kernel).norm()), float(effect))
+
+
+@pytest.mark.parametrize("mode", ["lowrank", "lora"])
+def test_a_recorded_decode_with_the_mlps_terms_inside_gives_the_kernels_tokens_in_fp32(tmp_path, mode, monkeypatch):
+    """terms_inside where it is meant to run, the recorded (CUDA-graph) decode step: an fp32 model's greedy tokens
+    equal the kernel path's, the decode step's buffers were made (one token a row: 3 members x 2 prompts), members
+    differ."""
+    from esrl.es import get_mode, population
+    from esrl.es.config import ESConfig
+    from esrl.es.engines import InPlaceES
+    from esrl.es.setup import build_policy, build_selection
+    from esrl.es.static_population import StaticPopulation
+    from esrl.models import load_causal_lm, load_tokenizer
+    from esrl.rollout import HFEngine
+
+    path = _random_qwen(tmp_path / "fp32", dtype="float32")
+    cfg = ESConfig(mode=mode, sigma=0.05, **(dict(rank=1) if mode == "lowrank" else dict(lora_rank=8, lora_alpha=16)))
+    tok, policy = load_tokenizer(path), load_causal_lm(path, "float32").to(DEVICE)
+    if mode == "lora":
+        policy = build_policy(policy, cfg, 0)
+    selection, spec = build_selection(policy, cfg)
+    members = population(4, 0, 3)
+    monkeypatch.setattr(StaticPopulation, "share_launches", True)
+    tokens = {}
+    for inside in (False, True):
+        monkeypatch.setattr(StaticPopulation, "terms_inside", inside)
+        engine = HFEngine(policy, tok, compile="on")
+        backend = InPlaceES(engine, policy, selection, spec, get_mode(mode))
+        out = engine.generate_population(PROMPTS, len(members), backend.row_weights(members), max_new_tokens=40,
+                                         min_new_tokens=40)
+        tokens[inside] = [[c.token_ids for c in m] for m in out]
+        assert [list(x._inputs) for x in backend.static._inside] == (
+            [[(6, True)]] * policy.config.num_hidden_layers if inside else [])
+        backend.static.remove()
+    assert tokens[True] == tokens[False] and len({tuple(m[1]) for m in tokens[True]}) > 1
 
 
 def test_a_group_of_matrices_drawn_in_one_launch_equals_each_drawn_alone():

@@ -15,12 +15,12 @@ PROMPTS = ["Hi", "Write a much longer sentence about the sea and the sky"]
 NEW = 8
 
 
-@pytest.mark.parametrize("inside", [False, True, "decode"], ids=["kernel", "inside", "inside-decode-only"])
+@pytest.mark.parametrize("inside", [False, True], ids=["kernel", "inside"])
 @pytest.mark.parametrize("mode_name,fields", [("lowrank", dict(rank=1)), ("lowrank", dict(rank=2)),
                                               ("lora", dict(lora_rank=4, lora_alpha=8))])
 def test_static_population_equals_eager_hooks(tiny_model, mode_name, fields, inside, monkeypatch):
-    """inside: the MLPs' terms inside their GEMMs (esrl.es.inside_terms) instead of the hooks' kernel path; at a
-    decode step only ("decode": KERNEL_ROWS below the prefill's rows a member, so the prefill takes the hooks)."""
+    """inside: the MLPs' terms inside their GEMMs at each decode step (esrl.es.inside_terms; the prefill and a chunk
+    of another size, the last here, on the hooks' path)."""
     from esrl.es import get_mode, population
     from esrl.es.config import ESConfig
     from esrl.es.engines import InPlaceES
@@ -30,9 +30,7 @@ def test_static_population_equals_eager_hooks(tiny_model, mode_name, fields, ins
     from esrl.rollout import HFEngine
 
     monkeypatch.setattr(StaticPopulation, "share_launches", True)  # q, k and v in one call, as on a GPU
-    monkeypatch.setattr(StaticPopulation, "terms_inside", bool(inside))
-    if inside == "decode":
-        monkeypatch.setattr("esrl.es.inside_terms.KERNEL_ROWS", len(PROMPTS))
+    monkeypatch.setattr(StaticPopulation, "terms_inside", inside)
     cfg = ESConfig(mode=mode_name, sigma=0.05, **fields)
     tok, policy = load_tokenizer(tiny_model), load_causal_lm(tiny_model)
     if mode_name == "lora":
@@ -47,14 +45,16 @@ def test_static_population_equals_eager_hooks(tiny_model, mode_name, fields, ins
     eager, static = HFEngine(policy, tok, compile="off"), HFEngine(policy, tok, compile="on", prompt_bucket=16)
     backend = InPlaceES(static, policy, selection, spec, mode)
     members = population(2, 0, 6)
-    for i, chunk in enumerate((members[:3], members[3:])):
-        want = eager.generate_population(PROMPTS, 3, lambda rows, c=chunk: mode.population(policy, selection, spec,
-                                                                                             c, rows),
-                                         max_new_tokens=NEW, min_new_tokens=NEW)
-        got = static.generate_population(PROMPTS, 3, backend.row_weights(chunk), max_new_tokens=NEW,
+    for i, chunk in enumerate((members[:3], members[3:], members[1:3])):
+        hooks = lambda rows, c=chunk: mode.population(policy, selection, spec, c, rows)
+        want = eager.generate_population(PROMPTS, len(chunk), hooks, max_new_tokens=NEW, min_new_tokens=NEW)
+        got = static.generate_population(PROMPTS, len(chunk), backend.row_weights(chunk), max_new_tokens=NEW,
                                          min_new_tokens=NEW)
         assert [[c.token_ids for c in m] for m in got] == [[c.token_ids for c in m] for m in want]
         assert len({tuple(m[1].token_ids) for m in got}) > 1
+        # inside: a decode step's buffers made (one token a row, 3 members x 2 prompts) and the short chunk left out
+        assert [(list(x._inputs), x.members) for x in backend.static._inside] == (
+            [([(6, True)], 3 if i < 2 else 0)] * policy.config.num_hidden_layers if inside else [])
         if i == 0:  # q, k and v of each layer take their terms in one call, after v_proj, and gate and up after
             # up_proj (its MLP's up_proj called before act_fn: esrl.es.shared_inputs)
             last = [run[-1].removesuffix(".weight").rsplit(".", 1)[-1] for run in backend.static.runs]

@@ -10,7 +10,8 @@ Gate and up share one input buffer laid out [C_gate | x | C_up], so each reads a
 act(gate) * up, is written straight into its buffer. Against the kernel path: c rounded to the model's dtype before
 the product (as the prefill's torch ops do), and each output rounded once (the kernel path rounds x W^T first).
 
-A decode step only (up to KERNEL_ROWS rows a member): a prefill's terms stay the hooks' batched GEMMs, as timed.
+A decode step only (one token a row), and not under torch.compile (`rollout.compile: fused`; its strided `out=`
+writes would break the graph per layer): a prefill's terms stay the hooks' batched GEMMs, a fused step the kernel.
 The weights are copied into the wider ones at each chunk's load (lowrank's move every update), so the MLPs' weights
 are held twice while a population lives (a 1.5B model: 2.3 GB in bf16). Off by default until timed on a GPU
 (`StaticPopulation.terms_inside`; benchmarks/gpu/NOTES_issue15.md). Plain torch.
@@ -23,7 +24,6 @@ from typing import Callable
 
 import torch
 
-from esrl.es.lowrank_kernel import KERNEL_ROWS
 from esrl.es.shared_inputs import gate_up_first_forward
 
 
@@ -33,27 +33,34 @@ class InsideMLP:
     def __init__(self, mlp: torch.nn.Module, keys: tuple[str, str, str], linears: tuple[torch.nn.Module, ...],
                  active: Callable[[], bool]):
         self.mlp, self.keys, self.linears, self.active = mlp, keys, linears, active
-        self._weights: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # M -> gate, up, down
-        self._inputs: dict[tuple, tuple[torch.Tensor, ...]] = {}  # (M, rows, inference mode) -> buffers
+        self._weights: tuple[torch.Tensor, ...] = ()  # gate's, up's and down's, for one chunk size (`_size`)
+        self._size = 0
+        self._inputs: dict[tuple, tuple[torch.Tensor, ...]] = {}  # (rows, inference mode) -> buffers
         self._factors: tuple[torch.Tensor, ...] = ()  # the loaded chunk's in-side factors (M, r, in) per projection
         self.members = 0
 
     @torch.no_grad()
     def load(self, buffers: dict[str, tuple[torch.Tensor, torch.Tensor]], members: int) -> None:
-        """The chunk's weights: the projections' own and the members' out-side factors, written in place."""
+        """The chunk's weights: the projections' own and the members' out-side factors, written in place. One chunk
+        size holds wider weights (the first loaded: with static shapes every chunk's); a chunk of another size (an
+        eager engine's short last chunk), or with factors of another dtype than the weights, leaves its terms to the
+        hooks, rather than hold the MLPs' weights a third time."""
         gate, up, down = (l.weight for l in self.linears)
         (a_g, b_g), (a_u, b_u), (a_d, b_d) = (buffers[k] for k in self.keys)
+        self.members = 0
         if {a_g.dtype, b_g.dtype, a_d.dtype, b_d.dtype, a_u.dtype, b_u.dtype} != {gate.dtype}:
-            self.members = 0  # one GEMM needs one dtype: the hooks add this chunk's terms
             return
-        mr = a_g.shape[0] * a_g.shape[1]
-        if members not in self._weights:
-            self._weights[members] = (gate.new_empty(gate.shape[0], mr + gate.shape[1]),
-                                      up.new_empty(up.shape[0], up.shape[1] + mr),
-                                      down.new_empty(down.shape[0], down.shape[1] + mr))
-            for w in self._weights[members]:
+        if not self._weights:
+            mr = members * a_g.shape[1]
+            self._weights, self._size = (gate.new_empty(gate.shape[0], mr + gate.shape[1]),
+                                         up.new_empty(up.shape[0], up.shape[1] + mr),
+                                         down.new_empty(down.shape[0], down.shape[1] + mr)), members
+            for w in self._weights:
                 torch._dynamo.mark_static_address(w)
-        w_g, w_u, w_d = self._weights[members]
+        if members != self._size:
+            return
+        mr = members * a_g.shape[1]
+        w_g, w_u, w_d = self._weights
         w_g[:, mr:].copy_(gate)
         w_u[:, :up.shape[1]].copy_(up)
         w_d[:, :down.shape[1]].copy_(down)
@@ -62,10 +69,11 @@ class InsideMLP:
         self._factors, self.members = (b_g, b_u, b_d), members
 
     def _buffers(self, rows: int) -> tuple[torch.Tensor, ...]:
-        """[C_gate | x | C_up] and [act(gate) * up | C_down] for `rows` rows, zeros off the diagonal blocks, and the
-        views (M, n, r) of their blocks: kept per shape, at fixed addresses for a recorded step (and per inference
-        mode: an inference tensor takes no in-place write outside it)."""
-        key = (self.members, rows, torch.is_inference_mode_enabled())
+        """[C_gate | x | C_up] and [act(gate) * up | C_down] for a decode step's `rows` rows, zeros off the diagonal
+        blocks, and the views (M, n, r) of their blocks: kept per number of rows (one a run, as a rule), at fixed
+        addresses for a recorded step, and per inference mode (an inference tensor takes no in-place write outside
+        it)."""
+        key = (rows, torch.is_inference_mode_enabled())
         if key not in self._inputs:
             m, (b_g, _, b_d) = self.members, self._factors
             r, n_in, inter = b_g.shape[1], b_g.shape[2], b_d.shape[2]
@@ -77,16 +85,16 @@ class InsideMLP:
         return self._inputs[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The MLP with its members' terms inside the GEMMs while the population is active and decodes (up to
-        KERNEL_ROWS rows a member), else gate_up_first's forward, whose projections' hooks add the terms if active:
-        a prefill's (the batched GEMMs, as timed; and no buffers per prompt bucket), or a chunk whose factors have
-        another dtype than the weights."""
-        n_in = x.shape[-1]
-        rows = x.numel() // n_in
-        if not self.active() or not self.members or rows // self.members > KERNEL_ROWS:
+        """The MLP with its members' terms inside the GEMMs at an active population's decode step (one token a row,
+        eager or recorded), else gate_up_first's forward, whose projections' hooks add the terms if active: a
+        prefill's (the batched GEMMs, as timed), a chunk `load` left to them, and a torch.compile'd step (the
+        strided `out=` writes here would break its graph per layer)."""
+        if (not self.active() or not self.members or x.dim() != 3 or x.shape[1] != 1
+                or torch.compiler.is_compiling()):
             return gate_up_first_forward(self.mlp, x)
-        m, (b_g, b_u, b_d) = self.members, self._factors
-        w_g, w_u, w_d = self._weights[m]
+        n_in, m, (b_g, b_u, b_d) = x.shape[-1], self.members, self._factors
+        rows = x.shape[0]
+        w_g, w_u, w_d = self._weights
         mr = m * b_g.shape[1]
         xc, xd, c_g, c_u, c_d = self._buffers(rows)
         flat = x.reshape(rows, n_in)
