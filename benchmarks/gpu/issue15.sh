@@ -63,8 +63,8 @@ sbs() {  # the ratios side by side in one process, 3 rounds
   (cd benchmarks && timeout ${SBS_S:-400} python3 es_throughput.py $BENCH --modes ${SBS_MODES:-floor,lowrank,lora,single} --compile on --rounds 3 ${SBS_ARGS:-} 2>&1 | tee "$OUT/bench_sbs${1:-}.log" | grep '^{')
 }
 if [ -n "$NEXT" ]; then  # the pricing first (inside, the ratios side by side, gate/up's one launch), then the tests
-  INSIDE_S=75 inside; SBS_S=${SBS_S:-220} sbs; KERNEL_S=60 KERNEL_ARGS="--ranks 8 --factor-dtypes bfloat16" kernel
-  TESTS_S=${TESTS_S:-200}
+  INSIDE_S=60 inside; SBS_S=${SBS_S:-200} sbs; KERNEL_S=60 KERNEL_ARGS="--ranks 8 --factor-dtypes bfloat16" kernel
+  TESTS_S=${TESTS_S:-240}  # at most ~570 s in all, within a call's 600
 fi
 if has profile; then
   timeout 150 python3 benchmarks/gpu/decode_profile.py ${PROFILE_ARGS:-} 2>&1 | quiet | tee "$OUT/decode_profile.log"
