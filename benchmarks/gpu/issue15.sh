@@ -3,7 +3,7 @@
 # floor, lowrank, lora, a single member's generate and full mode), then configs/es_conciseness.yaml end to end.
 # Steps run in order of priority, each under its own time limit; everything lands in $OUT.
 #
-#   device run (carry .whl .gpu):  bash benchmarks/gpu/issue15.sh [steps]   steps: next, then, or profile,tests,kernel,inside,tiles,bench1,bench2,sbs,deepspeed,fused,host,prefill,determinism,memory,e2e
+#   device run (carry .whl .gpu):  bash benchmarks/gpu/issue15.sh [steps]   steps: next, then, or profile,tests,kernel,inside,inside_mlp,tiles,bench1,bench2,sbs,deepspeed,fused,host,prefill,determinism,memory,e2e
 # E2E_ARGS adds esrl fit flags to e2e (e.g. "--model.rollout.compile fused"); DET_COMPILE=on limits determinism to the
 # recorded path (the default on CUDA); BENCH2_MODES overrides bench2's modes (e.g. single,full).
 # sbs: the same rows side by side in ONE process (es_throughput.py --rounds), so their ratios share the machine's state.
@@ -24,7 +24,8 @@
 # recorded-only path, in one call each so their ratios are side by side; FUSED_COMPILES picks among "on fused" (each up
 # to ~3 minutes).
 # next: what the next device session runs first within its 15 minutes (about 9-10 with the machine's start), the
-# pricing first: inside (inside_gemm.py, ~1 minute), then floor, lowrank, lora, lora-apart (an MLP's gate and up terms
+# pricing first: inside (inside_gemm.py, ~1 minute) and inside_mlp (inside_mlp.py: esrl's inside module per MLP layer
+# against the kernel's), then floor, lowrank, lora, lora-apart (an MLP's gate and up terms
 # in launches of their own, as before session 29) and lora-inside (the MLPs' terms inside their GEMMs,
 # esrl.es.inside_terms, off by default until this prices it) side by side (~3 minutes), then `kernel` at rank 8 (~1
 # minute: gate and up in one launch against one each, graph-timed), then the GPU tests (~3 minutes).
@@ -59,12 +60,16 @@ kernel() {  # launch_plan's blocks and the torch ops side by side, per projectio
 inside() {  # the member terms inside the projection's GEMM, priced per projection before anyone builds it
   timeout ${INSIDE_S:-120} python3 benchmarks/gpu/inside_gemm.py 2>&1 | quiet | tee "$OUT/inside_gemm.jsonl" | grep -E 'per_step|Error'
 }
+inside_mlp() {  # the inside path's own module against the kernel's, per MLP layer (its layout, copies and strided reads)
+  timeout ${INSIDE_MLP_S:-60} python3 benchmarks/gpu/inside_mlp.py 2>&1 | quiet | tee "$OUT/inside_mlp.jsonl" | grep -E 'rank|Error'
+}
 sbs() {  # the ratios side by side in one process, 3 rounds
   (cd benchmarks && timeout ${SBS_S:-400} python3 es_throughput.py $BENCH --modes ${SBS_MODES:-floor,lowrank,lora,single} --compile on --rounds 3 ${SBS_ARGS:-} 2>&1 | tee "$OUT/bench_sbs${1:-}.log" | grep '^{')
 }
 if [ -n "$NEXT" ]; then  # the pricing first (inside, the ratios side by side, gate/up's one launch), then the tests
-  INSIDE_S=60 inside; SBS_S=${SBS_S:-200} sbs; KERNEL_S=60 KERNEL_ARGS="--ranks 8 --factor-dtypes bfloat16" kernel
-  TESTS_S=${TESTS_S:-240}  # at most ~570 s in all, within a call's 600
+  INSIDE_S=45 inside; INSIDE_MLP_S=40 inside_mlp; SBS_S=${SBS_S:-200} sbs
+  KERNEL_S=50 KERNEL_ARGS="--ranks 8 --factor-dtypes bfloat16" kernel
+  TESTS_S=${TESTS_S:-230}  # at most ~575 s in all, within a call's 600
 fi
 if has profile; then
   timeout 150 python3 benchmarks/gpu/decode_profile.py ${PROFILE_ARGS:-} 2>&1 | quiet | tee "$OUT/decode_profile.log"
@@ -74,6 +79,7 @@ if has tests; then
 fi
 has kernel && kernel
 has inside && inside
+has inside_mlp && inside_mlp
 if has tiles; then  # block sizes of the member-term kernel: each candidate timed per projection, the best beside the default
   timeout ${TILES_S:-300} python3 benchmarks/gpu/lowrank_tiles.py ${TILES_ARGS:-} 2>&1 | quiet | tee "$OUT/lowrank_tiles.jsonl" | grep -E '"best"|Error'
 fi
