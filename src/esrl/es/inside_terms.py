@@ -47,11 +47,10 @@ class InsideMLP:
         hooks, rather than hold the MLPs' weights a third time."""
         gate, up, down = (l.weight for l in self.linears)
         (a_g, b_g), (a_u, b_u), (a_d, b_d) = (buffers[k] for k in self.keys)
-        self.members = 0
+        self.members, mr = 0, members * a_g.shape[1]
         if {a_g.dtype, b_g.dtype, a_d.dtype, b_d.dtype, a_u.dtype, b_u.dtype} != {gate.dtype}:
             return
         if not self._weights:
-            mr = members * a_g.shape[1]
             self._weights, self._size = (gate.new_empty(gate.shape[0], mr + gate.shape[1]),
                                          up.new_empty(up.shape[0], up.shape[1] + mr),
                                          down.new_empty(down.shape[0], down.shape[1] + mr)), members
@@ -59,7 +58,6 @@ class InsideMLP:
                 torch._dynamo.mark_static_address(w)
         if members != self._size:
             return
-        mr = members * a_g.shape[1]
         w_g, w_u, w_d = self._weights
         w_g[:, mr:].copy_(gate)
         w_u[:, :up.shape[1]].copy_(up)
@@ -126,10 +124,6 @@ def inside_mlps(model: torch.nn.Module, targets: list[tuple[str, torch.nn.Module
         if len({l.weight.dtype for l in linears}) != 1:
             continue
         inside = InsideMLP(mlp, tuple(key_of[id(l)] for l in linears), linears, active)
-        mlp.forward = functools.partial(_inside_forward, inside)
+        mlp.forward = inside.forward
         found.append(inside)
     return found
-
-
-def _inside_forward(inside: InsideMLP, x: torch.Tensor) -> torch.Tensor:
-    return inside.forward(x)
