@@ -209,22 +209,29 @@ def test_linears_in_one_launch_equal_one_launch_each(rank, n_outs):
         assert torch.equal(got, want) and not torch.equal(got, ys)
 
 
+def _es_policy(path: str, mode: str, dtype: str):
+    """(tokenizer, policy on DEVICE, selection, spec) for an ES `mode` on the model at `path`: lowrank rank 1, or
+    lora rank 8 (PEFT's adapter wrapped around the model)."""
+    from esrl.es.config import ESConfig
+    from esrl.es.setup import build_policy, build_selection
+    from esrl.models import load_causal_lm, load_tokenizer
+
+    cfg = ESConfig(mode=mode, sigma=0.05, **(dict(rank=1) if mode == "lowrank" else dict(lora_rank=8, lora_alpha=16)))
+    tok, policy = load_tokenizer(path), load_causal_lm(path, dtype).to(DEVICE)
+    if mode == "lora":
+        policy = build_policy(policy, cfg, 0)
+    return (tok, policy, *build_selection(policy, cfg))
+
+
 def _static_logits(qwen, mode: str, monkeypatch, decode: bool = False, **switches) -> dict:
     """Logits of a population of 3 members on the PROMPTS through the mode's static population on CUDA, once per
     setting of StaticPopulation's switches (`switches`: name -> values, two forwards each), and the base logits.
     decode: the prompts' last tokens alone, one a row (a decode step's shape)."""
     from esrl.es import get_mode, population
-    from esrl.es.config import ESConfig
-    from esrl.es.setup import build_policy, build_selection
     from esrl.es.static_population import StaticPopulation
-    from esrl.models import load_causal_lm, load_tokenizer
     from esrl.rollout.hf import rollout_attention
 
-    cfg = ESConfig(mode=mode, sigma=0.05, **(dict(rank=1) if mode == "lowrank" else dict(lora_rank=8, lora_alpha=16)))
-    tok, policy = load_tokenizer(qwen), load_causal_lm(qwen, "bfloat16").to(DEVICE)
-    if mode == "lora":
-        policy = build_policy(policy, cfg, 0)
-    selection, spec = build_selection(policy, cfg)
+    tok, policy, selection, spec = _es_policy(qwen, mode, "bfloat16")
     members = population(4, 0, 3)
     enc = tok(PROMPTS * len(members), return_tensors="pt", padding=True).to(DEVICE)
     if decode:
@@ -278,19 +285,11 @@ def test_a_recorded_decode_with_the_mlps_terms_inside_gives_the_kernels_tokens_i
     equal the kernel path's, the decode step's buffers were made (one token a row: 3 members x 2 prompts), members
     differ."""
     from esrl.es import get_mode, population
-    from esrl.es.config import ESConfig
     from esrl.es.engines import InPlaceES
-    from esrl.es.setup import build_policy, build_selection
     from esrl.es.static_population import StaticPopulation
-    from esrl.models import load_causal_lm, load_tokenizer
     from esrl.rollout import HFEngine
 
-    path = _random_qwen(tmp_path / "fp32", dtype="float32")
-    cfg = ESConfig(mode=mode, sigma=0.05, **(dict(rank=1) if mode == "lowrank" else dict(lora_rank=8, lora_alpha=16)))
-    tok, policy = load_tokenizer(path), load_causal_lm(path, "float32").to(DEVICE)
-    if mode == "lora":
-        policy = build_policy(policy, cfg, 0)
-    selection, spec = build_selection(policy, cfg)
+    tok, policy, selection, spec = _es_policy(_random_qwen(tmp_path / "fp32", dtype="float32"), mode, "float32")
     members = population(4, 0, 3)
     monkeypatch.setattr(StaticPopulation, "share_launches", True)
     tokens = {}
