@@ -18,11 +18,10 @@ GPU only (CUDA events around replays of a captured graph, as lowrank_tiles.py ti
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
-from lowrank_tiles import LAYERS, SHAPES, TOLERANCE, inputs, time_us
+from lowrank_tiles import LAYERS, SHAPES, TOLERANCE, decode_parser, inputs, print_device, time_us
 
 GROUPS = [("q", "k", "v"), ("o",), ("gate", "up"), ("down",)]  # linears reading one x: one [x | C] writer a group
 
@@ -48,13 +47,8 @@ def wider(x: torch.Tensor, w: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor
 def main() -> None:
     from esrl.es.lowrank_kernel import lowrank_add_
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", default="1,8")
-    ap.add_argument("--members", type=int, default=30)
-    ap.add_argument("--rows", type=int, default=8, help="rows per member (a decode step: prompts per member)")
-    ap.add_argument("--reps", type=int, default=50)
-    args = ap.parse_args()
-    print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__}), flush=True)
+    args = decode_parser(__doc__).parse_args()
+    print_device()
     m, n = args.members, args.rows
     for rank in map(int, args.ranks.split(",")):
         per = {}

@@ -15,11 +15,10 @@ GPU only.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
-from lowrank_tiles import LAYERS, time_us
+from lowrank_tiles import LAYERS, decode_parser, print_device, time_us
 
 
 def main() -> None:
@@ -30,13 +29,8 @@ def main() -> None:
     from esrl.es.lowrank_kernel import lowrank_add_, lowrank_add_linears_
     from esrl.es.shared_inputs import gate_up_first_forward
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", default="1,8")
-    ap.add_argument("--members", type=int, default=30)
-    ap.add_argument("--rows", type=int, default=8, help="rows per member (a decode step: prompts per member)")
-    ap.add_argument("--reps", type=int, default=50)
-    args = ap.parse_args()
-    print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__}), flush=True)
+    args = decode_parser(__doc__).parse_args()
+    print_device()
     torch.manual_seed(0)
     mlp = Qwen2MLP(Qwen2Config(hidden_size=1536, intermediate_size=8960, hidden_act="silu")).cuda().bfloat16()
     m, n = args.members, args.rows
@@ -66,7 +60,7 @@ def main() -> None:
         print(json.dumps({"rank": rank, "members": m, "rows_per_member": n,
                           **{f"{k}_us": round(v, 2) for k, v in us.items()},
                           **{f"terms_{way}_ms_per_step": round(ms, 3) for way, ms in terms.items()},
-                          "inside_over_kernel_terms": round(terms["inside"] / terms["kernel"], 3),
+                          "inside_over_kernel_terms": terms["kernel"] and round(terms["inside"] / terms["kernel"], 3),
                           "inside_minus_kernel_over_effect": round(float((by_inside - by_kernel).norm()
                                                                          / (by_kernel - base).norm()), 4)}),
               flush=True)

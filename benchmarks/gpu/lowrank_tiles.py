@@ -86,19 +86,29 @@ def one_launch_for(names: tuple[str, ...], rank: int, factor_dtype, members: int
             "ms_saved_per_step": round((us_each - us1) * LAYERS / 1000, 3)}
 
 
-def main() -> None:
-    from esrl.es.lowrank_kernel import KERNEL_ROWS, _torch_add_, kernel_takes, lowrank_add_
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def decode_parser(doc: str) -> argparse.ArgumentParser:
+    """The options this folder's per-projection timings share (ranks, members, rows a member at decode, reps)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--ranks", default="1,8")
     ap.add_argument("--members", type=int, default=30)
     ap.add_argument("--rows", type=int, default=8, help="rows per member at decode (prompts per member)")
-    ap.add_argument("--prompt", type=int, default=64, help="prefill: tokens per row")
     ap.add_argument("--reps", type=int, default=50)
+    return ap
+
+
+def print_device() -> None:
+    print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__}), flush=True)
+
+
+def main() -> None:
+    from esrl.es.lowrank_kernel import KERNEL_ROWS, _torch_add_, kernel_takes, lowrank_add_
+
+    ap = decode_parser(__doc__)
+    ap.add_argument("--prompt", type=int, default=64, help="prefill: tokens per row")
     ap.add_argument("--factor-dtypes", default="bfloat16", help="comma-separated torch dtypes of the factors")
     ap.add_argument("--default-only", action="store_true", help="time launch_plan's block sizes only")
     args = ap.parse_args()
-    print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__}), flush=True)
+    print_device()
     dtypes = [getattr(torch, name) for name in args.factor_dtypes.split(",")]
     for rank, factor_dtype in itertools.product(map(int, args.ranks.split(",")), dtypes):
         for phase, rows in (("decode", args.rows), ("prefill", args.rows * args.prompt)):
