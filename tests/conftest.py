@@ -11,6 +11,8 @@ import torch
 from cli_runner import ESRL, ROOT, run_esrl, stop_server  # noqa: F401 (ESRL, ROOT, run_esrl: for the tests)
 
 FIXTURES = Path(__file__).parent / "fixtures"
+CONCISENESS_FILES = {"train_path": str(FIXTURES / "conciseness_train3.jsonl"),  # 3 train prompts
+                     "eval_path": str(FIXTURES / "conciseness_eval2.jsonl")}  # 2 eval prompts
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
@@ -43,6 +45,13 @@ def tiny_lm(tiny_model):
     return load_causal_lm(tiny_model)
 
 
+def conciseness_data(prompts_per_step: int = 1):
+    """The conciseness fixtures as a data module that serves its prompts in file order."""
+    from esrl.data import PromptDataModule
+
+    return PromptDataModule("conciseness", dict(CONCISENESS_FILES), prompts_per_step=prompts_per_step, shuffle=False)
+
+
 def write_tiny_config(path: Path, model: str, *, seed: int = 3, prompts_per_step: int = 1, max_steps: int = 2,
                       rollout: dict | None = None, es: dict | None = None, grpo: dict | None = None,
                       trainer: dict | None = None) -> Path:
@@ -58,8 +67,7 @@ def write_tiny_config(path: Path, model: str, *, seed: int = 3, prompts_per_step
         "algo": "es",
         "model": model_section,
         "data": {"task": "conciseness",
-                 "task_args": {"train_path": str(FIXTURES / "conciseness_train3.jsonl"),
-                               "eval_path": str(FIXTURES / "conciseness_eval2.jsonl")},
+                 "task_args": dict(CONCISENESS_FILES),
                  "prompts_per_step": prompts_per_step},
         "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": max_steps, "enable_progress_bar": False,
                     "enable_model_summary": False, "enable_checkpointing": False, **(trainer or {})},

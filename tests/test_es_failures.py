@@ -8,12 +8,11 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from conftest import FIXTURES
+from conftest import conciseness_data
 
 
 def _fit(tiny_model, root, steps: int = 2, callbacks=(), mode: str = "full", ckpt_path=None):
     """An in-process ES fit on the tiny model (4 members, 1 prompt a step); the module, however the fit ended."""
-    from esrl.data import PromptDataModule
     from esrl.es.config import ESConfig
     from esrl.es.module import ESModule
     from esrl.policy import PolicyConfig
@@ -21,9 +20,7 @@ def _fit(tiny_model, root, steps: int = 2, callbacks=(), mode: str = "full", ckp
 
     module = ESModule(PolicyConfig(name_or_path=tiny_model), RolloutConfig(max_new_tokens=4),
                       ESConfig(population_size=4, sigma=0.05, alpha=0.01, seed=1, mode=mode))
-    data = PromptDataModule("conciseness", {"train_path": str(FIXTURES / "conciseness_train3.jsonl"),
-                                            "eval_path": str(FIXTURES / "conciseness_eval2.jsonl")},
-                            prompts_per_step=1, shuffle=False)
+    data = conciseness_data(1)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, enable_progress_bar=False,
                         enable_model_summary=False, logger=False, default_root_dir=root, limit_val_batches=0,
                         callbacks=list(callbacks), enable_checkpointing=any(isinstance(c, ModelCheckpoint)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (FIXTURES, assert_batched_equals_member_by_member, assert_same_tensors, fit_final,
+from conftest import (CONCISENESS_FILES, assert_batched_equals_member_by_member, assert_same_tensors, fit_final,
                      load_safetensors, run_esrl, write_tiny_config, written_out_update)
 
 from esrl.errors import ConfigError
@@ -174,8 +174,7 @@ def test_module_batched_fitness_and_update_equal_member_by_member(tiny_model, mo
     from esrl.rollout import RolloutConfig
     from esrl.tasks import build_task
 
-    task = build_task("conciseness", train_path=str(FIXTURES / "conciseness_train3.jsonl"),
-                      eval_path=str(FIXTURES / "conciseness_eval2.jsonl"))
+    task = build_task("conciseness", **CONCISENESS_FILES)
     monkeypatch.setattr(ESModule, "task", property(lambda self: task))
     rows = task.train_rows[:2]
     es = ESConfig(mode="lora", population_size=6, sigma=0.5, alpha=0.05, antithetic=True, lora_rank=4,

@@ -7,7 +7,7 @@ import json
 import lightning as L
 import pytest
 
-from conftest import FIXTURES
+from conftest import conciseness_data
 
 pytestmark = pytest.mark.slow
 
@@ -15,7 +15,6 @@ pytestmark = pytest.mark.slow
 def _evaluated(model, root, algo: str, top_p: float = 1.0) -> dict:
     """The step-0 evaluation (4 samples a prompt, KL on) of a one-step run of `algo` on `model`."""
     from esrl.callbacks import Evaluation
-    from esrl.data import PromptDataModule
     from esrl.es.config import ESConfig
     from esrl.es.module import ESModule
     from esrl.grpo.config import GRPOConfig
@@ -26,9 +25,7 @@ def _evaluated(model, root, algo: str, top_p: float = 1.0) -> dict:
     rollout = RolloutConfig(max_new_tokens=6, temperature=1.0, top_p=top_p)
     module = (ESModule(PolicyConfig(name_or_path=model), rollout, ESConfig(population_size=2, seed=1)) if algo == "es"
               else GRPOModule(PolicyConfig(name_or_path=model), rollout, GRPOConfig(num_generations=2, seed=1)))
-    data = PromptDataModule("conciseness", {"train_path": str(FIXTURES / "conciseness_train3.jsonl"),
-                                            "eval_path": str(FIXTURES / "conciseness_eval2.jsonl")},
-                            prompts_per_step=1, shuffle=False)
+    data = conciseness_data(1)
     evaluation = Evaluation(before=True, after=False, num_samples=4)
     L.Trainer(accelerator="cpu", devices=1, max_steps=1, enable_progress_bar=False, enable_model_summary=False,
               enable_checkpointing=False, logger=False, limit_val_batches=0, default_root_dir=root,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURES, assert_same_tensors, fit_final, load_safetensors, write_tiny_config
+from conftest import assert_same_tensors, conciseness_data, fit_final, load_safetensors, write_tiny_config
 
 from esrl.errors import ConfigError
 from esrl.rollout.vllm import vllm_available
@@ -163,7 +163,6 @@ def test_vllm_gets_the_adapter_every_step_and_follows_it(tmp_path_factory):
     import lightning as L
 
     from esrl.callbacks import Evaluation
-    from esrl.data import PromptDataModule
     from esrl.grpo.module import GRPOModule
     from esrl.models import tiny_llama
     from esrl.models.loading import load_causal_lm
@@ -183,9 +182,7 @@ def test_vllm_gets_the_adapter_every_step_and_follows_it(tmp_path_factory):
     steps = 2
     module = _module(model, RolloutConfig(engine="vllm", max_new_tokens=6, vllm_kwargs={"max_model_len": 256}),
                      cls=Recording, learning_rate=5e-2, lr_scheduler="constant")
-    data = PromptDataModule("conciseness", {"train_path": str(FIXTURES / "conciseness_train3.jsonl"),
-                                            "eval_path": str(FIXTURES / "conciseness_eval2.jsonl")},
-                            prompts_per_step=2, shuffle=False)
+    data = conciseness_data(2)
     L.Trainer(accelerator="cpu", devices=1, max_steps=steps, enable_progress_bar=False, enable_model_summary=False,
               enable_checkpointing=False, logger=False, default_root_dir=tmp_path_factory.mktemp("run"),
               limit_val_batches=0, callbacks=[Evaluation(before=False, after=False)]).fit(module, datamodule=data)

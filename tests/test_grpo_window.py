@@ -11,7 +11,7 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
-from conftest import FIXTURES
+from conftest import FIXTURES, conciseness_data
 from esrl.grpo import group_advantages
 from esrl.tasks.base import completion_text
 
@@ -23,7 +23,6 @@ def _fit(tiny_model, root, reward, scale_rewards: str = "group"):
     """One optimizer step of 2 micro-batches of 1 prompt (the conciseness fixture's first two) x G completions,
     the task's reward replaced by `reward`; the module and its metrics.csv row."""
     from esrl.callbacks import Evaluation
-    from esrl.data import PromptDataModule
     from esrl.grpo.config import GRPOConfig
     from esrl.grpo.module import GRPOModule
     from esrl.policy import PolicyConfig
@@ -35,9 +34,7 @@ def _fit(tiny_model, root, reward, scale_rewards: str = "group"):
 
     module = GRPOModule(PolicyConfig(name_or_path=tiny_model), RolloutConfig(max_new_tokens=6, temperature=1.0),
                         GRPOConfig(num_generations=G, seed=1, scale_rewards=scale_rewards))
-    data = PromptDataModule("conciseness", {"train_path": str(FIXTURES / "conciseness_train3.jsonl"),
-                                            "eval_path": str(FIXTURES / "conciseness_eval2.jsonl")},
-                            prompts_per_step=1, shuffle=False)
+    data = conciseness_data(1)
     L.Trainer(accelerator="cpu", devices=1, max_steps=1, accumulate_grad_batches=2, enable_progress_bar=False,
               enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0, default_root_dir=root,
               logger=CSVLogger(root, name="", version=""), log_every_n_steps=1,

@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from conftest import FIXTURES
+from conftest import FIXTURES, conciseness_data
 
 from esrl.rollout.vllm import vllm_available
 
@@ -26,14 +26,6 @@ def _trainer(tmp_path, steps: int):
                      enable_model_summary=False, enable_checkpointing=False, logger=False,
                      default_root_dir=tmp_path, limit_val_batches=0,
                      callbacks=[Evaluation(before=False, after=False)])
-
-
-def _data(prompts_per_step: int = 2):
-    from esrl.data import PromptDataModule
-
-    return PromptDataModule("conciseness", {"train_path": str(FIXTURES / "conciseness_train3.jsonl"),
-                                            "eval_path": str(FIXTURES / "conciseness_eval2.jsonl")},
-                            prompts_per_step=prompts_per_step, shuffle=False)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +49,7 @@ def test_grpo_step_on_vllm_rollouts_updates_the_engine(tiny_model, tmp_path):
                         RolloutConfig(engine="vllm", max_new_tokens=6, vllm_kwargs={"max_model_len": 256}),
                         GRPOConfig(num_generations=4, learning_rate=3e-2, lr_scheduler="constant", seed=1))
     trainer = _trainer(tmp_path, steps=1)
-    trainer.fit(module, datamodule=_data())
+    trainer.fit(module, datamodule=conciseness_data(2))
     # vLLM's sampling log-probs (TRL's importance-sampling correction, on by default) match the trainer's
     assert module.importance_sampling
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -101,7 +93,7 @@ def _es_fit(engine: str, tmp_path, model: str, steps: int = 2, **es):
                        ESConfig(**{**dict(population_size=4, sigma=0.01, alpha=0.005, seed=5, checksum_every=0),
                                    **es}))
     module.fitness_log = []
-    _trainer(tmp_path / engine, steps).fit(module, datamodule=_data(prompts_per_step=2))
+    _trainer(tmp_path / engine, steps).fit(module, datamodule=conciseness_data(2))
     return module
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FIXTURES
+from conftest import conciseness_data
 
 from esrl.errors import ConfigError
 from esrl.rollout.vllm import vllm_available
@@ -168,7 +168,6 @@ def _trainer(tmp_path, steps: int):
 
 
 def _es_fit(engine: str, tmp_path, model: str, steps: int = 2, ckpt_path=None, save_to=None, **es):
-    from esrl.data import PromptDataModule
     from esrl.es.config import ESConfig
     from esrl.es.module import ESModule
     from esrl.policy import PolicyConfig
@@ -189,9 +188,7 @@ def _es_fit(engine: str, tmp_path, model: str, steps: int = 2, ckpt_path=None, s
                        ESConfig(**{**dict(population_size=4, sigma=0.05, alpha=0.01, seed=5, checksum_every=0,
                                           mode="lowrank", rank=RANK, antithetic=True), **es}))
     module.fitness_log = []
-    data = PromptDataModule("conciseness", {"train_path": str(FIXTURES / "conciseness_train3.jsonl"),
-                                            "eval_path": str(FIXTURES / "conciseness_eval2.jsonl")},
-                            prompts_per_step=2, shuffle=False)
+    data = conciseness_data(2)
     trainer = _trainer(tmp_path / engine, steps)
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     if save_to is not None:

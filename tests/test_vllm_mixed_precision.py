@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import FIXTURES
+from conftest import conciseness_data
 from esrl.rollout.vllm import vllm_available
 
 
@@ -32,7 +32,6 @@ def test_grpo_with_fp32_weights_and_bf16_mixed_runs_a_bf16_engine_that_follows_t
     import lightning as L
 
     from esrl.callbacks import Evaluation
-    from esrl.data import PromptDataModule
     from esrl.grpo.config import GRPOConfig
     from esrl.grpo.module import GRPOModule
     from esrl.models import load_causal_lm, tiny_llama
@@ -43,9 +42,7 @@ def test_grpo_with_fp32_weights_and_bf16_mixed_runs_a_bf16_engine_that_follows_t
     module = GRPOModule(PolicyConfig(name_or_path=model, dtype="float32"),
                         RolloutConfig(engine="vllm", max_new_tokens=6, vllm_kwargs={"max_model_len": 256}),
                         GRPOConfig(num_generations=4, seed=1, learning_rate=5e-2, lr_scheduler="constant"))
-    data = PromptDataModule("conciseness", {"train_path": str(FIXTURES / "conciseness_train3.jsonl"),
-                                            "eval_path": str(FIXTURES / "conciseness_eval2.jsonl")},
-                            prompts_per_step=2, shuffle=False)
+    data = conciseness_data(2)
     L.Trainer(accelerator="cpu", devices=1, precision="bf16-mixed", max_steps=1, enable_progress_bar=False,
               enable_model_summary=False, enable_checkpointing=False, logger=False,
               default_root_dir=tmp_path_factory.mktemp("run"), limit_val_batches=0,
