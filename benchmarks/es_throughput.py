@@ -187,24 +187,51 @@ def worker(mode: str, args) -> dict:
 def side_by_side(modes: list[str], args) -> dict:
     """All modes in ONE process, each on its own model copy, their units interleaved for `--rounds` rounds (the
     order rotated each round): a slow spell of a shared machine hits every mode alike. Per mode the best unit;
-    per round each mode's time over the first mode's, and the median of those ratios."""
+    per round each mode's time over the first mode's, and the median of those ratios. A mode other than the first
+    that fails (a variant new on this device) is reported and dropped, and the summary so far is printed after
+    each round, so a failure or a time limit leaves the others' ratios (a GPU call's minutes are few)."""
+    import traceback
+
+    prepared: dict[str, tuple] = {}
+
+    def attempt(mode: str, call) -> None:
+        if mode == modes[0]:  # the baseline: without it there is no ratio
+            return call()
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - reported, the mode dropped, the others go on
+            traceback.print_exc()
+            print("PARTIAL " + json.dumps({"mode": mode, "failed": f"{type(e).__name__}: {e}"[:400]}), flush=True)
+            prepared.pop(mode, None)
+
+    for m in modes:
+        attempt(m, lambda: prepared.__setitem__(m, prepare(m, args)))
+    for m, (engine, unit) in list(prepared.items()):
+        if engine.compiled:  # compiles and recordings happen here, not in round 1
+            attempt(m, unit)
+    times: dict[str, list[float]] = {m: [] for m in prepared}
+    order = list(times)
+    for r in range(args.rounds):
+        for m in order[r % len(order):] + order[:r % len(order)]:
+            if m in prepared:
+                attempt(m, lambda: times[m].append(prepared[m][1]()[0]))
+        if r < args.rounds - 1:
+            print("PARTIAL " + json.dumps({**_ratios(times, args), "partial": True}), flush=True)
+    return _ratios(times, args)
+
+
+def _ratios(times: dict[str, list[float]], args) -> dict:
+    """The side-by-side summary of the rounds so far: each mode's times, and its median and best ratio to the first
+    mode's (over the rounds it ran in)."""
     import statistics
 
-    prepared = {m: prepare(m, args) for m in modes}
-    for engine, unit in prepared.values():
-        if engine.compiled:  # compiles and recordings happen here, not in round 1
-            unit()
-    times: dict[str, list[float]] = {m: [] for m in modes}
-    for r in range(args.rounds):
-        for m in modes[r % len(modes):] + modes[:r % len(modes)]:
-            seconds, _, _ = prepared[m][1]()
-            times[m].append(seconds)
-    base = modes[0]
-    return {"benchmark": "es_throughput_side_by_side", "compile": args.compile, "rounds": args.rounds,
-            **{f"{m}_s": [round(x, 2) for x in times[m]] for m in modes},
+    base, *others = list(times)
+    rounds = {m: len(t) for m, t in times.items()}
+    return {"benchmark": "es_throughput_side_by_side", "compile": args.compile, "rounds": rounds[base],
+            **{f"{m}_s": [round(x, 2) for x in t] for m, t in times.items()},
             **{f"{m}_over_{base}_median": round(statistics.median(a / b for a, b in zip(times[m], times[base])), 3)
-               for m in modes[1:]},
-            **{f"{m}_over_{base}_best": round(min(times[m]) / min(times[base]), 3) for m in modes[1:]}}
+               for m in others if times[m]},
+            **{f"{m}_over_{base}_best": round(min(times[m]) / min(times[base]), 3) for m in others if times[m]}}
 
 
 def main() -> None:
@@ -291,12 +318,25 @@ def main() -> None:
 
 
 def run_worker(mode: str, compile: str, passthrough: list[str]) -> dict:
-    """One worker process (a mode, or side-by-side) and its RESULT line."""
-    out = subprocess.run([sys.executable, __file__, "--worker", mode, f"--compile={compile}", *passthrough],
-                         capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if out.returncode != 0 or line is None:
-        sys.exit(f"{mode} (compile {compile}) failed:\n{out.stderr[-3000:]}")
+    """One worker process (a mode, or side-by-side) and its RESULT line; its PARTIAL lines are printed as they come
+    (a side-by-side's summary after each round, a dropped mode), so a time limit on this process still leaves them."""
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, __file__, "--worker", mode, f"--compile={compile}", *passthrough],
+                                stdout=subprocess.PIPE, stderr=err, text=True,
+                                env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        line = None
+        for out in proc.stdout:
+            if out.startswith("PARTIAL "):
+                print(out[len("PARTIAL "):].strip(), flush=True)
+            elif out.startswith("RESULT "):
+                line = out
+        proc.wait()
+        err.seek(0)
+        stderr = err.read()
+    if proc.returncode != 0 or line is None:
+        sys.exit(f"{mode} (compile {compile}) failed (exit {proc.returncode}):\n{stderr[-3000:]}")
     return json.loads(line[len("RESULT "):])
 
 

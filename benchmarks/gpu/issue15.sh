@@ -7,6 +7,8 @@
 # E2E_ARGS adds esrl fit flags to e2e (e.g. "--model.rollout.compile fused"); DET_COMPILE=on limits determinism to the
 # recorded path (the default on CUDA); BENCH2_MODES overrides bench2's modes (e.g. single,full).
 # sbs: the same rows side by side in ONE process (es_throughput.py --rounds), so their ratios share the machine's state.
+# It prints the summary after every round and drops a mode that fails (not the first), so a time limit or a new
+# variant's error leaves the other ratios.
 # tiles: benchmarks/gpu/lowrank_tiles.py (the member-term kernel's block sizes, per 1.5B projection, rank 1 and 8).
 # kernel: the same, launch_plan's blocks only, side by side: lora's rank-8 factors in bf16 (its buffers) or fp32, q, k
 # and v's terms (gate and up's) in one launch or one each (`one_over_each`, `ms_saved_per_step`), the torch ops against the kernel
