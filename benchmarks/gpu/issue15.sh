@@ -77,7 +77,7 @@ if has profile; then
   timeout 150 python3 benchmarks/gpu/decode_profile.py ${PROFILE_ARGS:-} 2>&1 | quiet | tee "$OUT/decode_profile.log"
 fi
 if has tests; then
-  timeout ${TESTS_S:-420} python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider --durations=8 2>&1 | quiet | tee "$OUT/gpu_tests.log" | tail -15
+  timeout ${TESTS_S:-420} python3 -m pytest -v -m gpu tests/test_gpu.py -p no:cacheprovider --durations=8 2>&1 | quiet | tee "$OUT/gpu_tests.log" | tail -15
 fi
 has kernel && kernel
 has inside && inside
