@@ -226,8 +226,7 @@ def _ratios(times: dict[str, list[float]], args) -> dict:
     import statistics
 
     base, *others = list(times)
-    rounds = {m: len(t) for m, t in times.items()}
-    return {"benchmark": "es_throughput_side_by_side", "compile": args.compile, "rounds": rounds[base],
+    return {"benchmark": "es_throughput_side_by_side", "compile": args.compile, "rounds": len(times[base]),
             **{f"{m}_s": [round(x, 2) for x in t] for m, t in times.items()},
             **{f"{m}_over_{base}_median": round(statistics.median(a / b for a, b in zip(times[m], times[base])), 3)
                for m in others if times[m]},

@@ -2,7 +2,8 @@
 StaticPopulation (hooks installed once, buffers refilled per chunk; lora: PEFT's adapter path switched off and the
 member adapter added on the base Linear, esrl.es.lowrank_kernel's torch path here; q, k and v add their terms in one
 call after v_proj, gate and up after up_proj, as on a GPU) gives the eager engine's per-chunk hooks token for token,
-members differ, and afterwards plain generation is the policy's own (adapter back on, the adapter's requires_grad flags unchanged).
+members differ, and afterwards plain generation is the policy's own (adapter back on, the adapter's requires_grad
+flags unchanged).
 fp32 tiny Llama. On a GPU the same kernel runs as Triton: tests/test_gpu.py.
 """
 
