@@ -178,3 +178,68 @@ def test_lora_buffers_of_a_bf16_model_hold_each_members_adapter_rounded_once(tin
             assert b_t.dtype == a_slots.dtype == torch.bfloat16
             assert torch.equal(a_slots[i], a.bfloat16()) and torch.equal(b_t[i], scaled_b.T.bfloat16()), name
     static.remove()
+
+
+def test_a_model_carries_one_static_population_at_a_time(tiny_model, monkeypatch):
+    """A second population over a model that carries one is refused: its probe would run through the first's reordered
+    MLPs, which the first's remove() takes away under it (gate's term dropped, no error). After remove() the model takes
+    a new one, which gives the eager hooks' logits; remove() twice does nothing; a removed population refuses to load
+    or decode (its hooks are gone: the base model's rows, silently); a failure while building (Ctrl+C in the probe)
+    leaves no hook and no MLP forward behind."""
+    from esrl.es import get_mode, population
+    from esrl.es.config import ESConfig
+    from esrl.es.setup import build_selection
+    from esrl.es.static_population import StaticPopulation
+    from esrl.models import load_causal_lm
+
+    monkeypatch.setattr(StaticPopulation, "share_launches", True)  # gate and up reordered and shared, as on a GPU
+    model = load_causal_lm(tiny_model).eval()
+    selection, spec = build_selection(model, ESConfig(mode="lowrank", sigma=0.05, rank=2))
+    mode, members = get_mode("lowrank"), population(2, 0, 3)
+    ids, rows = torch.randint(5, 100, (3, 6), generator=torch.Generator().manual_seed(0)), torch.arange(3)
+    with torch.inference_mode(), mode.population(model, selection, spec, members, rows):
+        want = model(input_ids=ids).logits
+
+    def hooks_and_forwards() -> tuple[int, int]:
+        return (sum(len(m._forward_hooks) for m in model.modules()),
+                sum("forward" in vars(m) for m in model.modules()))
+
+    first = mode.static_population(model, selection, spec)
+    assert any("up_proj" in run[-1] for run in first.runs)
+    with pytest.raises(RuntimeError, match="already carries a StaticLowRank: call its remove"):
+        mode.static_population(model, selection, spec)
+    first.remove()
+    first.remove()
+    assert hooks_and_forwards() == (0, 0)
+    with pytest.raises(RuntimeError, match="was removed"):
+        first.load(members)
+    second = mode.static_population(model, selection, spec)
+    second.load(members)
+    with torch.inference_mode(), second.population(rows):
+        got = model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    second.remove()
+    with pytest.raises(RuntimeError, match="was removed"), second.population(rows):
+        pass
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr("esrl.es.static_population.late_runs", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            mode.static_population(model, selection, spec)
+    assert hooks_and_forwards() == (0, 0)
+    calls = []  # and within gate_up_first's own probe: the forward with its MLPs reordered is the second
+
+    def second_call_interrupted(*args) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            interrupted()
+
+    handle = model.register_forward_pre_hook(second_call_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        mode.static_population(model, selection, spec)
+    handle.remove()
+    assert len(calls) == 2 and hooks_and_forwards() == (0, 0)
+    mode.static_population(model, selection, spec).remove()  # nothing left carried

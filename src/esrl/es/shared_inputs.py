@@ -84,6 +84,9 @@ def gate_up_first(model: torch.nn.Module) -> Callable[[], None]:
     except Exception as e:  # as late_runs: an architecture the probe cannot run keeps its own forward
         restore()
         log.warning("the MLPs keep their own forward: the probe failed (%s: %s)", type(e).__name__, e)
+    except BaseException:  # Ctrl+C in the probe: the model as it was
+        restore()
+        raise
     return restore
 
 

@@ -9,11 +9,14 @@ switches the hooks on for one population-batched generate. Rows must be member-m
 chunk on engines with static shapes, so chunks keep one size), so each hook is one grouped op per perturbed
 layer and step, with no per-row gather and no host sync; linears that read one input (q, k and v; an MLP's gate
 and up) take their terms in one launch after the last of them, where the model allows it (esrl.es.shared_inputs).
-Subclasses (one per noise mode) name the hooked modules and fill the buffers. Plain torch.
+A model carries one static population at a time, until its `remove()` (which gives the model back as it was, as
+does a failure while building one). Subclasses (one per noise mode) name the hooked modules and fill the buffers.
+Plain torch.
 """
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager, nullcontext
 from typing import Iterator, Sequence
 
@@ -24,6 +27,10 @@ from esrl.es.lowrank_kernel import MAX_LINEARS, lowrank_add_linears_
 from esrl.es.noise import Member, NoiseSpec
 from esrl.es.params import ParamSelection
 from esrl.es.shared_inputs import gate_up_first, late_runs
+
+_CARRIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Hooked module -> the StaticPopulation whose hooks it carries. One at a time: a second population's probe would
+run through the first's reordered MLPs, which the first's remove() takes away under it (a term dropped, no error)."""
 
 
 class StaticPopulation:
@@ -42,15 +49,34 @@ class StaticPopulation:
     def __init__(self, model: torch.nn.Module, selection: ParamSelection, spec: NoiseSpec):
         self.model, self.selection, self.spec = model, selection, spec
         self.active = False
+        self.removed = False
         self.members = 0  # M of the loaded chunk
         self._buffers: dict[str, tuple[torch.Tensor, ...]] = {}  # the loaded chunk size's buffers
         self._sizes: dict[int, dict[str, tuple[torch.Tensor, ...]]] = {}  # M -> its buffers, kept for the run
+        self._storage: dict[int, object] = {}  # M -> what a mode keeps behind its buffers (tensors they are views of)
         targets = self._targets()
+        for _, module in targets:
+            if (other := _CARRIED.get(module)) is not None:
+                raise RuntimeError(f"esrl: this model already carries a {type(other).__name__}: call its remove() "
+                                   f"before building a {type(self).__name__}")
+        self.runs = []  # keys whose terms one launch adds, after the last
+        self._restore_mlps = lambda: None
+        self._inside = []
+        self._pending: dict[str, torch.Tensor] = {}  # outputs of a run's first modules, until its last one
+        self._handles = []
+        self._carried = [module for _, module in targets]
+        for module in self._carried:
+            _CARRIED[module] = self
+        try:  # a failure (Ctrl+C in the probe included) leaves the model as it was
+            self._install(model, targets)
+        except BaseException:
+            self.remove()
+            raise
+
+    def _install(self, model: torch.nn.Module, targets: list[tuple[str, torch.nn.Module]]) -> None:
         share = self.share_launches
         if share is None:
             share = next(model.parameters()).is_cuda
-        self.runs = []  # keys whose terms one launch adds, after the last
-        self._restore_mlps = lambda: None
         if share:  # probed with the rollouts' attention kernels: cuDNN's would not repeat, and the probe compares
             from esrl.rollout.hf import rollout_attention
 
@@ -60,7 +86,6 @@ class StaticPopulation:
                 self.runs = late_runs(model, targets, MAX_LINEARS)
         self._inside = inside_mlps(model, targets, lambda: self.active) if share and self.terms_inside else []
         run_of = {key: run for run in self.runs for key in run}
-        self._pending: dict[str, torch.Tensor] = {}  # outputs of a run's first modules, until its last one
         self._handles = [module.register_forward_hook(self._hook(key, run_of.get(key))) for key, module in targets]
 
     # -- what a mode provides ----------------------------------------------------------------------------------
@@ -86,6 +111,7 @@ class StaticPopulation:
     @torch.no_grad()
     def load(self, members: Sequence[Member]) -> None:
         """Refill the buffers of this chunk size in place with its members (a new size allocates its own)."""
+        self._check_installed()
         self.members = len(members)
         if self.members not in self._sizes:
             buffers = self._fill(members)
@@ -102,6 +128,7 @@ class StaticPopulation:
     @contextmanager
     def population(self, row_member: torch.Tensor) -> Iterator[None]:
         """The hooks act while entered; rows must be member-major over the loaded members."""
+        self._check_installed()
         m, rows = self.members, row_member.numel()
         if m == 0 or rows % m or not torch.equal(row_member.cpu(), torch.arange(m).repeat_interleave(rows // m)):
             raise ValueError(f"a static population needs member-major rows over its {m} loaded members")
@@ -133,8 +160,20 @@ class StaticPopulation:
         return hook
 
     def remove(self) -> None:
-        """The hooks off and the MLPs' own forward back."""
+        """The hooks off, the MLPs' own forward back and the buffers let go; the model may take another population.
+        Once is enough (a second call does nothing); the population cannot be loaded or entered afterwards."""
         for h in self._handles:
             h.remove()
         self._handles = []
         self._restore_mlps()
+        self._restore_mlps = lambda: None
+        for module in self._carried:
+            if _CARRIED.get(module) is self:
+                del _CARRIED[module]
+        self._carried, self._inside, self._sizes, self._storage, self._buffers = [], [], {}, {}, {}
+        self.members = 0
+        self.removed = True
+
+    def _check_installed(self) -> None:
+        if self.removed:  # its hooks are gone: a generate would be the base model's, silently
+            raise RuntimeError(f"esrl: this {type(self).__name__} was removed; build a new one")

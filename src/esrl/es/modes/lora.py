@@ -300,22 +300,18 @@ class StaticLora(StaticPopulation):
     def _targets(self):
         return [(name, layer.base_layer) for name, layer in self._layers()]
 
-    def __init__(self, model, selection, spec):
-        self._slots: dict[int, AdapterSlots] = {}  # M -> its buffers
-        super().__init__(model, selection, spec)
-
     def _fill(self, members):
         dtypes = {layer.base_layer.weight.dtype for _, layer in self._layers()}  # one float dtype, else the adapters'
         dtype = dtypes.pop() if len(dtypes) == 1 else None
         slots = AdapterSlots(self.model, self.selection, len(members), b_transposed=True,
                              dtype=dtype if dtype is not None and dtype.is_floating_point else None)
-        self._slots[len(members)] = slots
+        self._storage[len(members)] = slots
         write_member_adapters(self.model, self.selection, self.spec, members, slots)
         return {name: (b_t, a) for name, (a, b_t) in slots.modules.items()}
 
     def _refill(self, buffers, members):
         """The members' adapters written in place, a group of same-shape tensors at a time."""
-        write_member_adapters(self.model, self.selection, self.spec, members, self._slots[len(members)])
+        write_member_adapters(self.model, self.selection, self.spec, members, self._storage[len(members)])
 
     @contextmanager
     def _decoding(self) -> Iterator[None]:

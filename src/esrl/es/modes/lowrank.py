@@ -146,10 +146,6 @@ class StaticLowRank(StaticPopulation):
     of one (G, M, r, n) tensor per group, so a chunk's load is a few launches per group (the draw, the scaled A, the
     B copy) instead of per matrix (a 1.5B model: 7 groups, 196 matrices)."""
 
-    def __init__(self, model, selection, spec):
-        self._groups: dict[int, list[tuple[ParamSelection, torch.Tensor, torch.Tensor]]] = {}  # M -> its groups
-        super().__init__(model, selection, spec)
-
     def _targets(self):
         owners = param_owners(self.model)
         return [(name, module) for _, name, p in self.selection for module, _ in owners[id(p)]]
@@ -163,7 +159,7 @@ class StaticLowRank(StaticPopulation):
             groups.append((group, a_t, b_t))
             for g, name in enumerate(group.names):
                 buffers[name] = (a_t[g], b_t[g])
-        self._groups[m] = groups
+        self._storage[m] = groups  # (group, A^T storage, B^T storage)
         self._refill(buffers, members)
         return buffers
 
@@ -171,7 +167,7 @@ class StaticLowRank(StaticPopulation):
         """The chunk's factors written straight into each group's buffers (scaled A^T and B^T in the weights' dtype,
         as _member_factors rounds them): no stacked, cast or transposed copies in between."""
         seeds, signs = [m.seed for m in members], [m.sign for m in members]
-        for group, a_t, b_t in self._groups[len(members)]:
+        for group, a_t, b_t in self._storage[len(members)]:
             p = group.params[0]
             a, b = factor_groups(seeds, group.indices, p.shape, self.spec.rank, p.device)  # (M, G, out|in, r)
             scales = [tensor_scale(q, self.spec) for q in group.params]
