@@ -249,6 +249,7 @@ def _static_logits(qwen, mode: str, monkeypatch, decode: bool = False, **switche
                 out[name, value, "runs"] = sorted(run[-1].removesuffix(".weight").rsplit(".", 1)[-1]
                                                   for run in static.runs)
                 out[name, value, "inside"] = sum(len(x._inputs) for x in static._inside)  # decode buffers made
+                out[name, value, "early"] = len(static._early._terms) if static._early is not None else 0
                 static.remove()
     return out
 
@@ -280,29 +281,47 @@ def test_the_mlps_terms_inside_their_gemms_repeat_and_match_the_kernels_within_b
 
 
 @pytest.mark.parametrize("mode", ["lowrank", "lora"])
-def test_a_recorded_decode_with_the_mlps_terms_inside_gives_the_kernels_tokens_in_fp32(tmp_path, mode, monkeypatch):
-    """terms_inside where it is meant to run, the recorded (CUDA-graph) decode step: an fp32 model's greedy tokens
-    equal the kernel path's, the decode step's buffers were made (one token a row: 3 members x 2 prompts), members
-    differ."""
+def test_a_decode_steps_terms_on_a_side_stream_give_the_in_place_kernels_logits_bit_for_bit(qwen, mode, monkeypatch):
+    """overlap (esrl.es.early_terms): at a decode-shaped forward each run's terms are launched on a side stream
+    before its GEMMs, written alone in fp32 and added after them: the kernel's sums, one rounding, so the logits are
+    the in-place kernel's bit for bit (7 buffers, one a kind of linear, shared by the layers)."""
+    monkeypatch.setattr("esrl.es.static_population.StaticPopulation.share_launches", True)
+    out = _static_logits(qwen, mode, monkeypatch, decode=True, overlap=[False, True])
+    assert out["overlap", True, "early"] == 7 and out["overlap", False, "early"] == 0
+    (kernel, kernel_again), (early, early_again) = out["overlap", False], out["overlap", True]
+    assert torch.equal(early, early_again) and torch.equal(kernel, kernel_again) and torch.equal(early, kernel)
+    assert not torch.equal(early, out["base"])
+
+
+@pytest.mark.parametrize("switch,dtype", [("terms_inside", "float32"), ("overlap", "bfloat16")])
+@pytest.mark.parametrize("mode", ["lowrank", "lora"])
+def test_a_recorded_decode_with_another_terms_path_gives_the_kernels_tokens(tmp_path, mode, switch, dtype,
+                                                                            monkeypatch):
+    """terms_inside and overlap where they are meant to run, the recorded (CUDA-graph) decode step: greedy tokens
+    equal the kernel path's (terms_inside in an fp32 model, as it rounds c first; overlap in bf16, the same sums),
+    the decode step's buffers were made (one token a row: 3 members x 2 prompts), members differ."""
     from esrl.es import get_mode, population
     from esrl.es.engines import InPlaceES
     from esrl.es.static_population import StaticPopulation
     from esrl.rollout import HFEngine
 
-    tok, policy, selection, spec = _es_policy(_random_qwen(tmp_path / "fp32", dtype="float32"), mode, "float32")
+    tok, policy, selection, spec = _es_policy(_random_qwen(tmp_path / dtype, dtype=dtype), mode, dtype)
     members = population(4, 0, 3)
     monkeypatch.setattr(StaticPopulation, "share_launches", True)
     tokens = {}
-    for inside in (False, True):
-        monkeypatch.setattr(StaticPopulation, "terms_inside", inside)
+    for on in (False, True):
+        monkeypatch.setattr(StaticPopulation, switch, on)
         engine = HFEngine(policy, tok, compile="on")
         backend = InPlaceES(engine, policy, selection, spec, get_mode(mode))
         out = engine.generate_population(PROMPTS, len(members), backend.row_weights(members), max_new_tokens=40,
                                          min_new_tokens=40)
-        tokens[inside] = [[c.token_ids for c in m] for m in out]
-        assert [list(x._inputs) for x in backend.static._inside] == (
-            [[(6, True)]] * policy.config.num_hidden_layers if inside else [])
-        backend.static.remove()
+        tokens[on] = [[c.token_ids for c in m] for m in out]
+        static = backend.static
+        made = ([list(x._inputs) for x in static._inside] if switch == "terms_inside" else
+                sorted({(slot[2], slot[4]) for slot in static._early._terms}) if static._early is not None else [])
+        assert made == ([] if not on else [[(6, True)]] * policy.config.num_hidden_layers
+                        if switch == "terms_inside" else [(6, True)]), made
+        static.remove()
     assert tokens[True] == tokens[False] and len({tuple(m[1]) for m in tokens[True]}) > 1
 
 

@@ -56,9 +56,9 @@ CASES = [(1, "bfloat16", "bfloat16", 1), (2, "bfloat16", "bfloat16", 1), (8, "bf
          (1, "bfloat16", "bfloat16", 3), (8, "bfloat16", "bfloat16", 3), (8, "bfloat16", "bfloat16", 2)]
 
 
-def lowrank_signature(dtype: str, factor_dtype: str, linears: int) -> tuple[dict, dict]:
+def lowrank_signature(dtype: str, factor_dtype: str, linears: int, ys_dtype: str | None = None) -> tuple[dict, dict]:
     """The kernel's argument types for `linears` linears, and the unused slots as the None constants it gets."""
-    types = {"ys": POINTER[dtype], "bt": POINTER[factor_dtype], "at": POINTER[factor_dtype], "n_out": "i32",
+    types = {"ys": POINTER[ys_dtype or dtype], "bt": POINTER[factor_dtype], "at": POINTER[factor_dtype], "n_out": "i32",
              "ys_stride": "i32"}
     signature = {"xs_ptr": POINTER[dtype], "rows_per_member": "i32", "n_in": "i32", "xs_stride": "i32", "blocks": "i32",
                  **{f"{name}{i}": types[name] for i in range(linears) for name in PER_LINEAR}}
@@ -76,6 +76,19 @@ def test_the_lowrank_kernel_builds_for_the_gpus_users_run(rank, dtype, factor_dt
     assert kernel.metadata.shared <= SHARED_LIMIT[arch], (kernel.metadata.shared, consts)
     if dtype == "bfloat16":
         assert _spilled_bytes(report) == 0, report
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("rank,linears", [(1, 3), (8, 3), (8, 1)])
+def test_the_kernel_writing_terms_alone_builds_without_spills(rank, linears, arch):
+    """StaticPopulation.overlap's build: bf16 activations and factors, the terms written alone to fp32 buffers."""
+    from esrl.es.lowrank_kernel import launch_plan
+
+    fn, _, consts, options = launch_plan(rank, rows_per_member=8, n_outs=(8960, 256, 256)[:linears], add=False)
+    signature, unused = lowrank_signature("bfloat16", "bfloat16", linears, ys_dtype="float32")
+    kernel, report = _build(fn, signature, {**consts, **unused}, options, arch)
+    assert consts["ADD"] is False and kernel.metadata.shared <= SHARED_LIMIT[arch], (kernel.metadata.shared, consts)
+    assert _spilled_bytes(report) == 0, report
 
 
 @pytest.mark.parametrize("arch", [80, 90])

@@ -26,11 +26,11 @@
 # recorded-only path, in one call each so their ratios are side by side; FUSED_COMPILES picks among "on fused" (each up
 # to ~3 minutes).
 # next: what the next device session runs first within its 15 minutes (about 9-10 with the machine's start), the
-# pricing first: inside (inside_gemm.py, ~1 minute) and inside_mlp (inside_mlp.py: esrl's inside module per MLP layer
-# against the kernel's), then floor, lowrank, lora, lora-apart (an MLP's gate and up terms
-# in launches of their own, as before session 29) and lora-inside (the MLPs' terms inside their GEMMs,
-# esrl.es.inside_terms, off by default until this prices it) side by side (~3 minutes), then `kernel` at rank 8 (~1
-# minute: gate and up in one launch against one each, graph-timed), then the GPU tests (~3 minutes).
+# pricing first: inside (inside_gemm.py, ~1 minute), then floor, lowrank, lora, lora-overlap and lowrank-overlap (a
+# decode step's terms on a side stream beside the GEMMs, esrl.es.early_terms, session 31) and lora-inside (the MLPs'
+# terms inside their GEMMs, esrl.es.inside_terms, session 29), both off by default until this prices them, side by
+# side (~4 minutes), then `kernel` at rank 8 (~1 minute: gate and up in one launch against one each, graph-timed),
+# then the GPU tests (~3 minutes). inside_mlp and lora-apart (gate/up's own launches) were dropped from it for time.
 # then: the second call, at once on the warm machine: lora's recorded step profiled beside the floor's, and deepspeed.
 # PROFILE_ARGS: decode_profile.py's flags. deepspeed: benchmarks/gpu/issue16.sh (tests/test_gpu_deepspeed.py, GRPO under ZeRO 1
 # and 2; session 26's assertions not run yet) in what is left of 585 s, or DEEPSPEED_S seconds.
@@ -38,7 +38,7 @@
 # embedded model's config and tokenizer files (no weights).
 set -uo pipefail
 STEPS=${1:-profile,tests,bench1,bench2,e2e}
-NEXT=""; [ "$STEPS" = next ] && { NEXT=1; STEPS=tests; SBS_MODES=${SBS_MODES:-floor,lowrank,lora,lora-apart,lora-inside}; }
+NEXT=""; [ "$STEPS" = next ] && { NEXT=1; STEPS=tests; SBS_MODES=${SBS_MODES:-floor,lowrank,lora,lora-overlap,lowrank-overlap,lora-inside}; }
 [ "$STEPS" = then ] && { STEPS=profile,deepspeed; PROFILE_ARGS=${PROFILE_ARGS:---modes floor,lora}; }
 OUT=${OUT:-/tmp/esrl_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -69,7 +69,7 @@ sbs() {  # the ratios side by side in one process, 3 rounds
   (cd benchmarks && timeout ${SBS_S:-400} python3 es_throughput.py $BENCH --modes ${SBS_MODES:-floor,lowrank,lora,single} --compile on --rounds 3 ${SBS_ARGS:-} 2>&1 | tee "$OUT/bench_sbs${1:-}.log" | grep '^{')
 }
 if [ -n "$NEXT" ]; then  # the pricing first (inside, the ratios side by side, gate/up's one launch), then the tests
-  INSIDE_S=45 inside; INSIDE_MLP_S=40 inside_mlp; SBS_S=${SBS_S:-200} sbs
+  INSIDE_S=45 inside; SBS_S=${SBS_S:-240} sbs
   KERNEL_S=50 KERNEL_ARGS="--ranks 8 --factor-dtypes bfloat16" kernel
   TESTS_S=${TESTS_S:-230}  # at most ~575 s in all, within a call's 600
 fi

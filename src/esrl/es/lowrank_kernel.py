@@ -40,10 +40,11 @@ if triton is not None:
                       ys0, bt0, at0, n_out0, ys_stride0, ys1, bt1, at1, n_out1, ys_stride1,
                       ys2, bt2, at2, n_out2, ys_stride2,
                       RANK: tl.constexpr, RANKS: tl.constexpr, BLOCK_IN: tl.constexpr, BLOCK_OUT: tl.constexpr,
-                      LINEARS: tl.constexpr):
+                      LINEARS: tl.constexpr, ADD: tl.constexpr):
         """One program: one row, one block of outputs of one of LINEARS (1-3) linears that read the same x (q, k
         and v: one launch for three; esrl.es.shared_inputs). c = B^T x for all r at once (a [RANKS, BLOCK_IN] tile
-        per step over `in`), then ys[cols] += sum_r c_r A[r, cols]. RANKS: RANK rounded up to a power of two."""
+        per step over `in`), then ys[cols] += sum_r c_r A[r, cols], or with ADD false ys[cols] = the sum (fp32 ys: the
+        term alone, for an add after the base GEMM). RANKS: RANK rounded up to a power of two."""
         row = tl.program_id(0).to(tl.int64)
         block = tl.program_id(1)
         ys_ptr, bt_ptr, at_ptr, n_out, ys_stride = ys0, bt0, at0, n_out0, ys_stride0
@@ -71,8 +72,11 @@ if triton is not None:
             dots += b * x[None, :]
         c = tl.sum(dots, axis=1)
         a = tl.load(a_ptrs, mask=a_ok, other=0.0)
-        y = tl.load(ys_row + cols, mask=col_ok, other=0.0)
-        acc = y.to(tl.float32) + tl.sum(a.to(tl.float32) * c[:, None], axis=0)
+        if ADD:
+            y = tl.load(ys_row + cols, mask=col_ok, other=0.0)
+            acc = y.to(tl.float32) + tl.sum(a.to(tl.float32) * c[:, None], axis=0)
+        else:
+            acc = tl.sum(a.to(tl.float32) * c[:, None], axis=0)
         tl.store(ys_row + cols, acc.to(ys_ptr.dtype.element_ty), mask=col_ok)
 
 
@@ -91,7 +95,8 @@ def kernel_takes(rank: int, rows_per_member: int) -> bool:
     return rows_per_member <= KERNEL_ROWS or rank == 1
 
 
-def launch_plan(rank: int, rows_per_member: int, n_outs: tuple[int, ...], tiles: dict | None = None):
+def launch_plan(rank: int, rows_per_member: int, n_outs: tuple[int, ...], tiles: dict | None = None,
+                add: bool = True):
     """(kernel, grid as a function of the member count, compile-time constants, launch options) for one launch over
     the linears whose output sizes are `n_outs` (1 to MAX_LINEARS, one input). The one definition of the block
     sizes: lowrank_add_ launches it, tests/test_kernel_build.py compiles it for sm_80 and sm_90 (no spills),
@@ -105,7 +110,8 @@ def launch_plan(rank: int, rows_per_member: int, n_outs: tuple[int, ...], tiles:
     warps = t.pop("num_warps")
     blocks = triton.cdiv(max(n_outs), t["BLOCK_OUT"])
     grid = lambda m: (m * rows_per_member, len(n_outs) * blocks)
-    return _lowrank_rows, grid, {"RANK": rank, "RANKS": ranks, "LINEARS": len(n_outs), **t}, {"num_warps": warps}
+    return _lowrank_rows, grid, {"RANK": rank, "RANKS": ranks, "LINEARS": len(n_outs), "ADD": add, **t}, {
+        "num_warps": warps}
 
 
 def row_major(factors: torch.Tensor) -> torch.Tensor:
@@ -124,15 +130,16 @@ def lowrank_add_(ys: torch.Tensor, xs: torch.Tensor, a_t: torch.Tensor, b_t: tor
 
 
 def lowrank_add_linears_(terms: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], xs: torch.Tensor,
-                         tiles: dict | None = None) -> None:
+                         tiles: dict | None = None, add: bool = True) -> None:
     """lowrank_add_ for linears that read the same xs, each (ys, a_t, b_t) of one rank and dtypes: one kernel launch
     for up to MAX_LINEARS of them on a GPU (the same sums as one launch each) up to KERNEL_ROWS rows per member (at
     rank 1 at any rows), the torch ops one linear at a time elsewhere. A torch.compile'd step calls the kernel as it is
     (products and sums for Inductor to fuse instead were slower for lora on an H100, 1.87x the fused floor against the
-    kernel's 1.34x, and not bit-repeatable: RESULTS, session 28)."""
+    kernel's 1.34x, and not bit-repeatable: RESULTS, session 28). `add` false: each ys (fp32) gets the term alone,
+    written, not added (StaticPopulation.overlap adds it to the base output later: the kernel's sums, one rounding)."""
     if len({(ys.dtype, a_t.dtype, b_t.dtype, a_t.shape[1]) for ys, a_t, b_t in terms}) > 1:  # one kernel build each
         for term in terms:
-            lowrank_add_linears_([term], xs, tiles)
+            lowrank_add_linears_([term], xs, tiles, add)
         return
     m, n = terms[0][0].shape[:2]
     rank = terms[0][1].shape[1]
@@ -145,7 +152,7 @@ def lowrank_add_linears_(terms: list[tuple[torch.Tensor, torch.Tensor, torch.Ten
         for start in range(0, len(terms), MAX_LINEARS):
             part = terms[start:start + MAX_LINEARS]
             n_outs = tuple(ys.shape[-1] for ys, _, _ in part)
-            kernel, grid, consts, options = launch_plan(rank, n, n_outs, tiles)
+            kernel, grid, consts, options = launch_plan(rank, n, n_outs, tiles, add)
             # unused slots: None (a compile-time constant), not a used tensor again: under torch.compile an aliased
             # argument that Inductor takes as mutated could be copied back over the kernel's result
             slots = [(ys, b_t, a_t, ys.shape[-1], ys.shape[-1]) for ys, a_t, b_t in part]
@@ -155,7 +162,10 @@ def lowrank_add_linears_(terms: list[tuple[torch.Tensor, torch.Tensor, torch.Ten
             kernel[grid(m)](xs, n, xs.shape[-1], xs.stride(0), blocks, *per_linear, **consts, **options)
         return
     for ys, a_t, b_t in terms:
-        _torch_add_(ys, xs, a_t, b_t)
+        if add:
+            _torch_add_(ys, xs, a_t, b_t)
+        else:  # the term alone in fp32 (a CPU's tests of the overlap's bookkeeping; a GPU takes the kernel)
+            torch.bmm(torch.bmm(xs.to(a_t.dtype), b_t.transpose(1, 2)).float(), a_t.float(), out=ys)
 
 
 def _torch_add_(ys: torch.Tensor, xs: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor) -> None:
