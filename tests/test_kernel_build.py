@@ -92,6 +92,20 @@ def test_the_kernel_writing_terms_alone_builds_without_spills(rank, linears, arc
 
 
 @pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("linears", [1, 2, 3])
+def test_the_kernel_adding_terms_written_alone_builds_without_spills(linears, arch):
+    """add_terms_'s build: bf16 outputs, fp32 terms, 1-3 outputs a launch (unused slots as None constants)."""
+    from esrl.es.lowrank_kernel import add_plan
+
+    fn, _, consts, options = add_plan((8960 * 240, 256 * 240, 256 * 240)[:linears])
+    used = {f"{name}{i}": kind for i in range(linears) for name, kind in
+            (("ys", POINTER["bfloat16"]), ("ts", POINTER["float32"]), ("n", "i32"))}
+    unused = {f"{name}{i}": None for i in range(linears, 3) for name in ("ys", "ts", "n")}
+    kernel, report = _build(fn, used, {**consts, **unused}, options, arch)
+    assert kernel.metadata.shared <= SHARED_LIMIT[arch] and _spilled_bytes(report) == 0, report
+
+
+@pytest.mark.parametrize("arch", [80, 90])
 def test_the_noise_kernel_builds_for_the_gpus_users_run_with_fp_fusion_pinned(arch, monkeypatch):
     """The draw kernel as philox launches it; its FP fusion stays on where Triton's default says off (Triton 3.10's
     default), so the noise of a seed does not change with Triton's version."""

@@ -73,7 +73,7 @@ def test_the_triton_kernel_in_the_interpreter_equals_the_fp64_sum_and_the_torch_
 
 LINEARS_CHILD = """
 import sys, torch
-from esrl.es.lowrank_kernel import lowrank_add_, lowrank_add_linears_
+from esrl.es.lowrank_kernel import add_terms_, lowrank_add_, lowrank_add_linears_
 xs, terms = torch.load(sys.argv[1])
 one_by_one = [ys.clone() for ys, _, _ in terms]
 for ys, (_, a_t, b_t) in zip(one_by_one, terms):
@@ -82,7 +82,9 @@ together = [ys.clone() for ys, _, _ in terms]
 lowrank_add_linears_([(ys, a_t, b_t) for ys, (_, a_t, b_t) in zip(together, terms)], xs)
 alone = [torch.full(ys.shape, float("nan")) for ys, _, _ in terms]  # fp32, NaN: written, never read
 lowrank_add_linears_([(t, a_t, b_t) for t, (_, a_t, b_t) in zip(alone, terms)], xs, add=False)
-torch.save((one_by_one, together, alone), sys.argv[2])
+added = [ys.clone() for ys, _, _ in terms]
+add_terms_(added, alone)
+torch.save((one_by_one, together, alone, added), sys.argv[2])
 """
 
 
@@ -91,7 +93,8 @@ def test_one_launch_for_linears_sharing_an_input_equals_one_launch_each(tmp_path
     """q, k and v in one launch (the grid's second axis picks the linear): each output is the one-launch-per-linear
     kernel's bit for bit, for widths that differ, one wider than a block of outputs at rank 8 (4096) and a fourth
     linear (a second launch). Written alone (`add=False`, StaticPopulation.overlap's fp32 buffers) each term is the
-    fp64 sum's within fp32 rounding, and in fp32 the output plus it is the in-place kernel's bit for bit."""
+    fp64 sum's within fp32 rounding, and added by add_terms_ (three outputs a launch, then the fourth) the outputs are
+    the in-place kernel's bit for bit (in fp32 torch's add's too)."""
     g = torch.Generator().manual_seed(rank)
     m, n, n_in = 3, 2, 300
     xs = torch.randn(m, n, n_in, generator=g).to(dtype)
@@ -101,9 +104,9 @@ def test_one_launch_for_linears_sharing_an_input_equals_one_launch_each(tmp_path
     torch.save((xs, terms), tmp_path / "in.pt")
     subprocess.run([sys.executable, "-c", LINEARS_CHILD, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
                    env={**os.environ, "TRITON_INTERPRET": "1"}, check=True, timeout=300)
-    one_by_one, together, alone = torch.load(tmp_path / "out.pt")
-    for (ys, a_t, b_t), want, got, term in zip(terms, one_by_one, together, alone):
-        assert torch.equal(got, want) and not torch.equal(got, ys), ys.shape
+    one_by_one, together, alone, added = torch.load(tmp_path / "out.pt")
+    for (ys, a_t, b_t), want, got, term, after in zip(terms, one_by_one, together, alone, added):
+        assert torch.equal(got, want) and not torch.equal(got, ys) and torch.equal(after, got), ys.shape
         exact = torch.bmm(torch.bmm(xs.double(), b_t.double().transpose(1, 2)), a_t.double())
         scale = torch.bmm(torch.bmm(xs.double().abs(), b_t.double().abs().transpose(1, 2)), a_t.double().abs())
         assert term.dtype == torch.float32 and ((term.double() - exact).abs() <= 1e-5 * scale + 1e-7).all()

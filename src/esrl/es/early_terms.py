@@ -1,17 +1,17 @@
 """A decode step's member terms on a side stream while the base GEMMs run (StaticPopulation.overlap).
 
-The member-term kernel (esrl.es.lowrank_kernel) is latency-bound at a decode step: launched after each GEMM, its 4-11
-us a call sit on the step's critical path (lora at rank 8: 1.3 ms of a 6.6 ms step; RESULTS, session 28). A decode
-GEMM of a 1.5B model (240 rows) has few output tiles, so many SMs should be idle while it streams its weights (an
-estimate from the tile count, not measured). Here a forward pre-hook launches the terms of a linear, or of a run of
-linears reading one input, on a side stream as soon as x exists, each written alone into an fp32 buffer; the hook
-after the run's last GEMM makes the step's stream wait for them and adds them: the kernel's own sums, added and
-rounded once, so the outputs equal the in-place kernel's bit for bit. The price: an add per linear on the critical
-path (7 a layer, where the kernel took 4 launches). One buffer per kind of linear (q_proj, ...), row count and
-inference mode serves every layer: a layer's launch waits for the step's stream, which has added the layer before's.
-Decode steps only (one token a row, rows a member the kernel takes), not under torch.compile; a CUDA graph records
-the fork and the join. On a CPU (tests) the terms are computed where they would be launched, the same bookkeeping.
-Plain torch.
+The member-term kernel (esrl.es.lowrank_kernel) is latency-bound at a decode step: launched after each GEMM, its 4-11 us
+a call sit on the step's critical path (lora at rank 8: 1.3 ms of a 6.6 ms step; RESULTS, session 28). A decode GEMM of
+a 1.5B model (240 rows) has few output tiles, so many SMs should be idle while it streams its weights (an estimate from
+the tile count, not measured). Here a forward pre-hook launches the terms of a linear, or of a run of linears reading
+one input, on a side stream as soon as x exists, each written alone into an fp32 buffer; the hook after the run's last
+GEMM makes the step's stream wait for them and adds them: the kernel's own sums, added and rounded once, so the outputs
+equal the in-place kernel's bit for bit. The price: an add on the critical path per launch of the kernel it replaces
+(one for q, k and v, one for gate and up: esrl.es.lowrank_kernel.add_terms_). One buffer per kind of linear (q_proj,
+...), row count and inference mode serves every layer: a layer's launch waits for the step's stream, which has added the
+layer before's. Decode steps only (one token a row, rows a member the kernel takes), not under torch.compile; a CUDA
+graph records the fork and the join. On a CPU (tests) the terms are computed where they would be launched, the same
+bookkeeping. Plain torch.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import re
 
 import torch
 
-from esrl.es.lowrank_kernel import kernel_takes, lowrank_add_linears_
+from esrl.es.lowrank_kernel import add_terms_, kernel_takes, lowrank_add_linears_
 
 _LAYER = re.compile(r"\.\d+\.")
 
@@ -60,8 +60,7 @@ class EarlyTerms:
         terms, _ = launched
         if outs[0].is_cuda:
             torch.cuda.current_stream(outs[0].device).wait_stream(self._stream)
-        for y, term in zip(outs, terms):
-            y.view(term.shape).add_(term)
+        add_terms_(outs, terms)
         return True
 
     def clear(self) -> None:

@@ -79,6 +79,24 @@ if triton is not None:
             acc = tl.sum(a.to(tl.float32) * c[:, None], axis=0)
         tl.store(ys_row + cols, acc.to(ys_ptr.dtype.element_ty), mask=col_ok)
 
+    @triton.jit
+    def _add_terms(ys0, ts0, n0, ys1, ts1, n1, ys2, ts2, n2, BLOCK: tl.constexpr, LINEARS: tl.constexpr):
+        """ys[i] += ts[i] (fp32) for one of LINEARS (1-3) contiguous outputs, the grid's second axis picking it: the
+        kernel's last step (y + term in fp32, rounded once), for terms computed apart (add_terms_)."""
+        ys_ptr, ts_ptr, n = ys0, ts0, n0
+        if LINEARS > 1:
+            which = tl.program_id(1)
+            if which == 1:
+                ys_ptr, ts_ptr, n = ys1, ts1, n1
+            if LINEARS > 2:
+                if which == 2:
+                    ys_ptr, ts_ptr, n = ys2, ts2, n2
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < n
+        y = tl.load(ys_ptr + offs, mask=ok, other=0.0)
+        t = tl.load(ts_ptr + offs, mask=ok, other=0.0)
+        tl.store(ys_ptr + offs, (y.to(tl.float32) + t).to(ys_ptr.dtype.element_ty), mask=ok)
+
 
 MAX_LINEARS = 3
 """Linears one launch takes (q, k and v of an attention layer)."""
@@ -166,6 +184,31 @@ def lowrank_add_linears_(terms: list[tuple[torch.Tensor, torch.Tensor, torch.Ten
             _torch_add_(ys, xs, a_t, b_t)
         else:  # the term alone in fp32 (a CPU's tests of the overlap's bookkeeping; a GPU takes the kernel)
             torch.bmm(torch.bmm(xs.to(a_t.dtype), b_t.transpose(1, 2)).float(), a_t.float(), out=ys)
+
+
+ADD_BLOCK = 2048
+"""Elements per program of add_terms_ (8 per thread at 8 warps)."""
+
+
+def add_plan(n_outs: tuple[int, ...]):
+    """(kernel, grid, compile-time constants, launch options) of add_terms_ for outputs of `n_outs` elements (1 to
+    MAX_LINEARS); tests/test_kernel_build.py compiles it."""
+    grid = (triton.cdiv(max(n_outs), ADD_BLOCK), len(n_outs))
+    return _add_terms, grid, {"BLOCK": ADD_BLOCK, "LINEARS": len(n_outs)}, {"num_warps": 8}
+
+
+def add_terms_(outs: list[torch.Tensor], terms: list[torch.Tensor]) -> None:
+    """outs[i] += terms[i] (fp32 terms, lowrank_add_linears_'s with add false): on a GPU one launch for up to
+    MAX_LINEARS of them, the same numbers as the kernel's in-place add; torch's add_ elsewhere (the same rounding)."""
+    if triton is None or not (outs[0].is_cuda or INTERPRETED) or not all(y.is_contiguous() for y in outs):
+        for y, t in zip(outs, terms):
+            y.view(t.shape).add_(t)
+        return
+    for start in range(0, len(outs), MAX_LINEARS):
+        part = list(zip(outs[start:start + MAX_LINEARS], terms[start:start + MAX_LINEARS]))
+        kernel, grid, consts, options = add_plan(tuple(y.numel() for y, _ in part))
+        slots = [(y, t, y.numel()) for y, t in part] + [(None, None, None)] * (MAX_LINEARS - len(part))
+        kernel[grid](*[v for slot in slots for v in slot], **consts, **options)
 
 
 def _torch_add_(ys: torch.Tensor, xs: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor) -> None:
