@@ -17,7 +17,7 @@ Each mode runs in its own fresh process (so the peak-RSS figures do not mix):
 A mode name ending in a variant builds that mode's static population with one StaticPopulation switch changed, to
 price it side by side: `-apart` (lowrank-apart, lora-apart) an MLP's gate and up terms in launches of their own
 (gate_up_first off), `-inside` the MLPs' terms inside their GEMMs (terms_inside on; esrl.es.inside_terms),
-`-overlap` a decode step's terms on a side stream beside the GEMMs (overlap on; esrl.es.early_terms).
+`-overlap` a decode step's terms on a side stream beside the GEMMs (overlap on; esrl.es.side_terms).
 
 Side by side (`--rounds R`): all --modes in ONE process instead, each on its own model copy, one unit of each per
 round in a rotated order, R rounds; prints each mode's times, and its time over the first mode's (median of the

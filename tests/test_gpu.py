@@ -249,7 +249,7 @@ def _static_logits(qwen, mode: str, monkeypatch, decode: bool = False, **switche
                 out[name, value, "runs"] = sorted(run[-1].removesuffix(".weight").rsplit(".", 1)[-1]
                                                   for run in static.runs)
                 out[name, value, "inside"] = sum(len(x._inputs) for x in static._inside)  # decode buffers made
-                out[name, value, "early"] = len(static._early._terms) if static._early is not None else 0
+                out[name, value, "side"] = len(static._side._terms) if static._side is not None else 0
                 static.remove()
     return out
 
@@ -282,15 +282,15 @@ def test_the_mlps_terms_inside_their_gemms_repeat_and_match_the_kernels_within_b
 
 @pytest.mark.parametrize("mode", ["lowrank", "lora"])
 def test_a_decode_steps_terms_on_a_side_stream_give_the_in_place_kernels_logits_bit_for_bit(qwen, mode, monkeypatch):
-    """overlap (esrl.es.early_terms): at a decode-shaped forward each run's terms are launched on a side stream
-    before its GEMMs, written alone in fp32 and added after them: the kernel's sums, one rounding, so the logits are
-    the in-place kernel's bit for bit (7 buffers, one a kind of linear, shared by the layers)."""
+    """overlap (esrl.es.side_terms): at a decode-shaped forward each run's terms run on a side stream beside its
+    GEMMs, written alone in fp32 and added after them: the kernel's sums, one rounding, so the logits are the in-place
+    kernel's bit for bit (7 buffers, one a kind of linear, shared by the layers)."""
     monkeypatch.setattr("esrl.es.static_population.StaticPopulation.share_launches", True)
     out = _static_logits(qwen, mode, monkeypatch, decode=True, overlap=[False, True])
-    assert out["overlap", True, "early"] == 7 and out["overlap", False, "early"] == 0
-    (kernel, kernel_again), (early, early_again) = out["overlap", False], out["overlap", True]
-    assert torch.equal(early, early_again) and torch.equal(kernel, kernel_again) and torch.equal(early, kernel)
-    assert not torch.equal(early, out["base"])
+    assert out["overlap", True, "side"] == 7 and out["overlap", False, "side"] == 0
+    (kernel, kernel_again), (side, side_again) = out["overlap", False], out["overlap", True]
+    assert torch.equal(side, side_again) and torch.equal(kernel, kernel_again) and torch.equal(side, kernel)
+    assert not torch.equal(side, out["base"])
 
 
 @pytest.mark.parametrize("switch,dtype", [("terms_inside", "float32"), ("overlap", "bfloat16")])
@@ -318,7 +318,7 @@ def test_a_recorded_decode_with_another_terms_path_gives_the_kernels_tokens(tmp_
         tokens[on] = [[c.token_ids for c in m] for m in out]
         static = backend.static
         made = ([list(x._inputs) for x in static._inside] if switch == "terms_inside" else
-                sorted({(slot[2], slot[4]) for slot in static._early._terms}) if static._early is not None else [])
+                sorted({(slot[2], slot[4]) for slot in static._side._terms}) if static._side is not None else [])
         assert made == ([] if not on else [[(6, True)]] * policy.config.num_hidden_layers
                         if switch == "terms_inside" else [(6, True)]), made
         static.remove()

@@ -21,9 +21,9 @@ NEW = 8
                                               ("lora", dict(lora_rank=4, lora_alpha=8))])
 def test_static_population_equals_eager_hooks(tiny_model, mode_name, fields, variant, monkeypatch):
     """inside: the MLPs' terms inside their GEMMs at each decode step (esrl.es.inside_terms; the prefill and a chunk
-    of another size, the last here, on the hooks' path). overlap: a decode step's terms launched by pre-hooks into
-    buffers, one per kind of linear, place in its run and row count, shared by the layers, added after the run's last
-    GEMM (esrl.es.early_terms; on a GPU on a side stream)."""
+    of another size, the last here, on the hooks' path). overlap: a decode step's inputs marked by pre-hooks, the terms
+    written after the run's last GEMM into buffers, one per kind of linear, place in its run and row count, shared by
+    the layers, then added (esrl.es.side_terms; on a GPU on a side stream beside the GEMMs)."""
     from esrl.es import get_mode, population
     from esrl.es.config import ESConfig
     from esrl.es.engines import InPlaceES
@@ -60,9 +60,9 @@ def test_static_population_equals_eager_hooks(tiny_model, mode_name, fields, var
         # inside: a decode step's buffers made (one token a row, 3 members x 2 prompts) and the short chunk left out
         assert [(list(x._inputs), x.members) for x in backend.static._inside] == (
             [([(6, True)], 3 if i < 2 else 0)] * policy.config.num_hidden_layers if inside else [])
-        if variant == "overlap":  # q/k/v, o, gate/up, down: 7 buffers a row count (6 rows, then 4), all added
-            rows = sorted(slot[2] for slot in backend.static._early._terms)
-            assert rows == ([6] * 7 if i < 2 else [4] * 7 + [6] * 7) and not backend.static._early._launched
+        if variant == "overlap":  # q/k/v, o, gate/up, down: 7 buffers a row count (6 rows, then 4), none pending
+            rows = sorted(slot[2] for slot in backend.static._side._terms)
+            assert rows == ([6] * 7 if i < 2 else [4] * 7 + [6] * 7) and not backend.static._side._ready
         if i == 0:  # q, k and v of each layer take their terms in one call, after v_proj, and gate and up after
             # up_proj (its MLP's up_proj called before act_fn: esrl.es.shared_inputs)
             last = [run[-1].removesuffix(".weight").rsplit(".", 1)[-1] for run in backend.static.runs]

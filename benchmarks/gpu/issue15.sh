@@ -27,7 +27,7 @@
 # to ~3 minutes).
 # next: what the next device session runs first within its 15 minutes (about 9-10 with the machine's start), the
 # pricing first: inside (inside_gemm.py, ~1 minute), then floor, lowrank, lora, lora-overlap and lowrank-overlap (a
-# decode step's terms on a side stream beside the GEMMs, esrl.es.early_terms, session 31) and lora-inside (the MLPs'
+# decode step's terms on a side stream beside the GEMMs, esrl.es.side_terms, session 31) and lora-inside (the MLPs'
 # terms inside their GEMMs, esrl.es.inside_terms, session 29), both off by default until this prices them, side by
 # side (~4 minutes), then `kernel` at rank 8 (~1 minute: gate and up in one launch against one each, graph-timed),
 # then the GPU tests (~3 minutes). inside_mlp and lora-apart (gate/up's own launches) were dropped from it for time.

@@ -22,7 +22,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from esrl.es.early_terms import EarlyTerms
+from esrl.es.side_terms import SideTerms
 from esrl.es.inside_terms import inside_mlps
 from esrl.es.lowrank_kernel import MAX_LINEARS, lowrank_add_linears_
 from esrl.es.noise import Member, NoiseSpec
@@ -47,8 +47,8 @@ class StaticPopulation:
     """Where launches are shared: run a gated MLP's up_proj before act_fn reads gate (the same output bit for bit,
     esrl.es.shared_inputs.gate_up_first) so gate's and up's terms take one launch too, a launch fewer per layer."""
     overlap: bool = False
-    """At a decode step, each linear's (run's) terms on a side stream while its GEMM runs, added after it: the same
-    outputs bit for bit, the kernel off the critical path, an add on it (esrl.es.early_terms). Off until timed on a GPU;
+    """At a decode step, each linear's (run's) terms on a side stream beside its GEMMs, added after them: the same
+    outputs bit for bit, the kernel off the critical path, an add on it (esrl.es.side_terms). Off until timed on a GPU;
     `es_throughput.py --modes lora-overlap` prices it."""
 
     def __init__(self, model: torch.nn.Module, selection: ParamSelection, spec: NoiseSpec):
@@ -67,7 +67,7 @@ class StaticPopulation:
         self.runs = []  # keys whose terms one launch adds, after the last
         self._restore_mlps = lambda: None
         self._inside = []
-        self._early = EarlyTerms() if self.overlap else None
+        self._side = SideTerms() if self.overlap else None
         self._pending: dict[str, torch.Tensor] = {}  # outputs of a run's first modules, until its last one
         self._handles = []
         self._carried = [module for _, module in targets]
@@ -93,8 +93,8 @@ class StaticPopulation:
         self._inside = inside_mlps(model, targets, lambda: self.active) if share and self.terms_inside else []
         run_of = {key: run for run in self.runs for key in run}
         self._handles = [module.register_forward_hook(self._hook(key, run_of.get(key))) for key, module in targets]
-        if self._early is not None:  # the terms launched where the run's (or linear's) input first arrives
-            self._handles += [module.register_forward_pre_hook(self._launch(run_of.get(key, (key,))))
+        if self._side is not None:  # the run's (or linear's) input marked ready before its first GEMM
+            self._handles += [module.register_forward_pre_hook(self._mark(run_of.get(key, (key,))))
                               for key, module in targets if run_of.get(key, (key,))[0] == key]
 
     # -- what a mode provides ----------------------------------------------------------------------------------
@@ -148,8 +148,8 @@ class StaticPopulation:
         finally:
             self.active = False
             self._pending.clear()
-            if self._early is not None:
-                self._early.clear()
+            if self._side is not None:
+                self._side.clear()
 
     def _hook(self, key: str, run: tuple[str, ...] | None):
         """Adds the rows' member terms to the module's output in place: at once, or, for a run of modules reading one
@@ -163,7 +163,8 @@ class StaticPopulation:
                 return None
             keys = run or (key,)
             outs = [self._pending.pop(k) for k in keys[:-1]] + [out]
-            if self._early is not None and self._early.add(keys, outs):
+            if self._side is not None and self._side.add(keys, args[0], outs, [self._buffers[k] for k in keys],
+                                                          self.members):
                 return out
             m = self.members
             x = args[0].reshape(m, -1, args[0].shape[-1])
@@ -172,12 +173,12 @@ class StaticPopulation:
 
         return hook
 
-    def _launch(self, keys: tuple[str, ...]):
-        """A pre-hook starting the terms of `keys` on a side stream (overlap)."""
+    def _mark(self, keys: tuple[str, ...]):
+        """A pre-hook marking the input of `keys` ready, for their terms beside the GEMMs (overlap)."""
 
         def hook(module, args):
             if self.active:
-                self._early.launch(keys, args[0], [self._buffers[k] for k in keys], self.members)
+                self._side.mark(keys, args[0], self.members, self._buffers[keys[0]][0].shape[1])
 
         return hook
 
@@ -193,7 +194,7 @@ class StaticPopulation:
             if _CARRIED.get(module) is self:
                 del _CARRIED[module]
         self._carried, self._inside, self._sizes, self._storage, self._buffers = [], [], {}, {}, {}
-        self._early = None
+        self._side = None
         self.members = 0
         self.removed = True
 
