@@ -1,6 +1,7 @@
 """Where a decode step's time goes on a GPU: the HF engine's static decoder per token, recorded (CUDA graph) vs eager,
 and the GPU kernels of one recorded step by total time (torch.profiler), for the plain model and with an ES
-population's hooks (lowrank rank 1, lora rank 8) in the step.
+population's hooks (lowrank rank 1, lora rank 8) in the step; `lowrank-overlap`, `lora-overlap`: their terms beside the
+GEMMs on a side stream (StaticPopulation.overlap), where `busy_over_wall` above 1 shows kernels ran side by side.
 
     PYTHONPATH=src python3 benchmarks/gpu/decode_profile.py [--rows 240 --prompt 64 --new-tokens 256 --modes ...]
 
@@ -59,6 +60,7 @@ def main() -> None:
 
     from esrl.es import get_mode, lowrank_selection, population, select_params
     from esrl.es.noise import NoiseSpec
+    from esrl.es.static_population import StaticPopulation
     from esrl.rollout.hf import rollout_attention
     from esrl.rollout.static_decode import DecodeKey, StaticDecoder, module_context
 
@@ -78,21 +80,23 @@ def main() -> None:
     kw = dict(min_new_tokens=args.new_tokens)
     members = population(0, 0, args.members)
     row_member = torch.arange(args.members).repeat_interleave(args.rows // args.members)
-    summary = {}
+    summary, lora = {}, []
     for mode in args.modes.split(","):
         static, context = None, nullcontext()
-        if mode == "lowrank":
+        StaticPopulation.overlap = mode.endswith("-overlap")  # the terms beside the GEMMs (esrl.es.side_terms)
+        if mode.startswith("lowrank"):
             spec = NoiseSpec(mode="lowrank", sigma=0.01, rank=1)
             static = get_mode("lowrank").static_population(model, lowrank_selection(model, select_params(model), spec),
                                                            spec)
-        elif mode == "lora":
+        elif mode.startswith("lora"):
             from esrl.es.config import ESConfig
             from esrl.es.setup import build_policy, build_selection
 
-            cfg = ESConfig(mode="lora", sigma=0.01, lora_rank=8, lora_alpha=16)
-            peft_model = build_policy(model, cfg, 0)
-            sel, spec = build_selection(peft_model, cfg)
-            static = get_mode("lora").static_population(peft_model, sel, spec)
+            if not lora:  # the adapter is injected into `model` in place: once, for every lora mode
+                cfg = ESConfig(mode="lora", sigma=0.01, lora_rank=8, lora_alpha=16)
+                peft_model = build_policy(model, cfg, 0)
+                lora[:] = [peft_model, *build_selection(peft_model, cfg)]
+            static = get_mode("lora").static_population(*lora)
         if static is not None:
             static.load(members)
             context = static.population(row_member)
@@ -109,6 +113,9 @@ def main() -> None:
             dec.generate(ids, mask, **kw)
             summary[mode + "_repeats"] = bool(torch.equal(dec.tokens, first))
             summary[mode + "_gpu_ms_per_step"] = kernel_table(dec, ids, mask, mode)
+            # kernels' time over the wall's per token (prefill included): above 1, kernels ran side by side
+            summary[mode + "_busy_over_wall"] = summary[mode + "_gpu_ms_per_step"] / (
+                1000 * summary[mode + "_s"] / args.new_tokens)
         if mode == "floor":
             with torch.inference_mode(), rollout_attention(model.device):
                 torch.cuda.synchronize()
@@ -121,7 +128,7 @@ def main() -> None:
         del dec
         torch.cuda.empty_cache()
     if "floor_s" in summary:
-        for mode in ("lowrank", "lora"):
+        for mode in ("lowrank", "lora", "lowrank-overlap", "lora-overlap"):
             if mode + "_s" in summary:
                 summary[mode + "_over_floor"] = round(summary[mode + "_s"] / summary["floor_s"], 3)
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in summary.items()}), flush=True)

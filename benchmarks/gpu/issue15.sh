@@ -31,7 +31,8 @@
 # terms inside their GEMMs, esrl.es.inside_terms, session 29), both off by default until this prices them, side by
 # side (~4 minutes), then `kernel` at rank 8 (~1 minute: gate and up in one launch against one each, graph-timed),
 # then the GPU tests (~3 minutes). inside_mlp and lora-apart (gate/up's own launches) were dropped from it for time.
-# then: the second call, at once on the warm machine: lora's recorded step profiled beside the floor's, and deepspeed.
+# then: the second call, at once on the warm machine: lora's recorded step profiled beside the floor's (and with its
+# terms beside the GEMMs: busy_over_wall), and deepspeed.
 # PROFILE_ARGS: decode_profile.py's flags. deepspeed: benchmarks/gpu/issue16.sh (tests/test_gpu_deepspeed.py, GRPO under ZeRO 1
 # and 2; session 26's assertions not run yet) in what is left of 585 s, or DEEPSPEED_S seconds.
 # .whl holds the wheels the GPU image lacks (jsonargparse, docstring-parser, typeshed-client); .gpu/tok the
@@ -39,7 +40,7 @@
 set -uo pipefail
 STEPS=${1:-profile,tests,bench1,bench2,e2e}
 NEXT=""; [ "$STEPS" = next ] && { NEXT=1; STEPS=tests; SBS_MODES=${SBS_MODES:-floor,lowrank,lora,lora-overlap,lowrank-overlap,lora-inside}; }
-[ "$STEPS" = then ] && { STEPS=profile,deepspeed; PROFILE_ARGS=${PROFILE_ARGS:---modes floor,lora}; }
+[ "$STEPS" = then ] && { STEPS=profile,deepspeed; PROFILE_ARGS=${PROFILE_ARGS:---modes floor,lora,lora-overlap}; }
 OUT=${OUT:-/tmp/esrl_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
@@ -74,7 +75,7 @@ if [ -n "$NEXT" ]; then  # the pricing first (inside, the ratios side by side, g
   TESTS_S=${TESTS_S:-230}  # at most ~575 s in all, within a call's 600
 fi
 if has profile; then
-  timeout 150 python3 benchmarks/gpu/decode_profile.py ${PROFILE_ARGS:-} 2>&1 | quiet | tee "$OUT/decode_profile.log"
+  timeout 200 python3 benchmarks/gpu/decode_profile.py ${PROFILE_ARGS:-} 2>&1 | quiet | tee "$OUT/decode_profile.log"
 fi
 if has tests; then
   timeout ${TESTS_S:-420} python3 -m pytest -v -m gpu tests/test_gpu.py -p no:cacheprovider --durations=8 2>&1 | quiet | tee "$OUT/gpu_tests.log" | tail -15
