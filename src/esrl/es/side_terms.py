@@ -7,10 +7,10 @@ the tile count, not measured). So a forward pre-hook marks when a linear's (or a
 event on the step's stream; after the run's last GEMM is launched, the terms are launched on a side stream that waits
 for that event only, each written alone into an fp32 buffer, and the step's stream waits for them and adds them (one
 launch a run, esrl.es.lowrank_kernel.add_terms_): the kernel's own sums, added and rounded once, so the outputs equal
-the in-place kernel's bit for bit, with the GEMMs launched first (a GPU in practice dispatches blocks in launch order, so
-the term kernel takes the SMs the GEMMs leave). The price: that add on the critical path. One buffer per kind of linear
-(q_proj, ...), place in its run, row count and inference mode serves every layer: a layer's terms wait for its x, made
-after the layer before's were added. Decode steps only (one token a row, rows a member the kernel takes), not under
+the in-place kernel's bit for bit, with the GEMMs launched first (a GPU in practice dispatches blocks in launch order,
+so the term kernel takes the SMs the GEMMs leave). The price: that add on the critical path. One buffer per kind of
+linear (q_proj, ...), place in its run, row count and inference mode serves every layer: a layer's terms wait for its x,
+made after the layer before's were added. Decode steps only (one token a row, rows a member the kernel takes), not under
 torch.compile; a CUDA graph records the fork and the join as edges. On a CPU (tests) the same bookkeeping, no stream.
 Plain torch.
 """
