@@ -59,8 +59,8 @@ class SideTerms:
         work = [(t, a_t, b_t) for t, (a_t, b_t) in zip(terms, factors)]
         if x.is_cuda:
             step = torch.cuda.current_stream(x.device)
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(x.device)
+            if self._stream is None:  # high priority: its own pool, never the (pooled, normal) capture stream
+                self._stream = torch.cuda.Stream(x.device, priority=-1)
             self._stream.wait_event(self._events[keys])
             with torch.cuda.stream(self._stream):
                 lowrank_add_linears_(work, xs, add=False)
@@ -72,6 +72,14 @@ class SideTerms:
 
     def clear(self) -> None:
         """Forget marks (a forward that stopped between a mark and its add)."""
+        self._ready.clear()
+
+    def release(self) -> None:
+        """Let the buffers go, once the GPU is done with them (used off the stream they were made on)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+            torch.cuda.current_stream(self._stream.device).synchronize()
+        self._terms.clear()
         self._ready.clear()
 
     def _term(self, key: str, place: int, rows: int, width: int, device: torch.device) -> torch.Tensor:

@@ -193,6 +193,8 @@ class StaticPopulation:
         for module in self._carried:
             if _CARRIED.get(module) is self:
                 del _CARRIED[module]
+        if self._side is not None:
+            self._side.release()
         self._carried, self._inside, self._sizes, self._storage, self._buffers = [], [], {}, {}, {}
         self._side = None
         self.members = 0
