@@ -45,11 +45,16 @@ def qwen(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize(("mode", "compile"), [
-    ("full", "auto"), ("lowrank", "auto"), ("lora", "auto"), ("lowrank", "fused"), ("lora", "fused")])
-def test_two_es_fits_give_identical_weights(qwen, tmp_path, mode, compile):
-    """compile "auto" is the recorded decode step on CUDA (the default); "fused" torch.compiles it first."""
+    ("full", "auto"), ("lowrank", "auto"), ("lora", "auto"), ("lowrank", "fused"), ("lora", "fused"),
+    ("lowrank", "auto-overlap"), ("lora", "auto-overlap")])
+def test_two_es_fits_give_identical_weights(qwen, tmp_path, mode, compile, monkeypatch):
+    """compile "auto" is the recorded decode step on CUDA (the default); "fused" torch.compiles it first;
+    "auto-overlap" records the decode step with the member terms beside the GEMMs (StaticPopulation.overlap)."""
     if mode == "lora":
         pytest.importorskip("peft")
+    if compile.endswith("-overlap"):
+        monkeypatch.setattr("esrl.es.static_population.StaticPopulation.overlap", True)
+        compile = compile.removesuffix("-overlap")
     a, b = fit_weights(qwen, tmp_path / "a", mode, compile), fit_weights(qwen, tmp_path / "b", mode, compile)
     _assert_same(a, b)
 
