@@ -22,12 +22,12 @@ from typing import Iterator, Sequence
 
 import torch
 
-from esrl.es.side_terms import SideTerms
 from esrl.es.inside_terms import inside_mlps
 from esrl.es.lowrank_kernel import MAX_LINEARS, lowrank_add_linears_
 from esrl.es.noise import Member, NoiseSpec
 from esrl.es.params import ParamSelection
 from esrl.es.shared_inputs import gate_up_first, late_runs
+from esrl.es.side_terms import SideTerms
 
 _CARRIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Hooked module -> the StaticPopulation whose hooks it carries. One at a time: a second population's probe would
