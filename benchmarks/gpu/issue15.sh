@@ -29,7 +29,8 @@
 # pricing first: inside (inside_gemm.py, ~1 minute), then floor, lowrank, lora, lora-overlap and lowrank-overlap (a
 # decode step's terms on a side stream beside the GEMMs, esrl.es.side_terms, session 31) and lora-inside (the MLPs'
 # terms inside their GEMMs, esrl.es.inside_terms, session 29), both off by default until this prices them, side by
-# side (~4 minutes), then the GPU tests (~4-5 minutes). inside_mlp, lora-apart (gate/up's own launches) and `kernel` at
+# side (~4 minutes), then the GPU tests (~4-5 minutes; those never run on a GPU first, TESTS_FIRST, then the rest
+# in what is left). inside_mlp, lora-apart (gate/up's own launches) and `kernel` at
 # rank 8 (gate and up in one launch against one each) were dropped from it for time: `issue15.sh inside_mlp,kernel`.
 # then: the second call, at once on the warm machine: lora's recorded step profiled beside the floor's (and with its
 # terms beside the GEMMs: busy_over_wall), and deepspeed.
@@ -72,12 +73,21 @@ sbs() {  # the ratios side by side in one process, 3 rounds
 if [ -n "$NEXT" ]; then  # the pricing first (inside, the ratios side by side, gate/up's one launch), then the tests
   INSIDE_S=45 inside; SBS_S=${SBS_S:-240} sbs
   TESTS_S=${TESTS_S:-280}  # at most ~575 s in all, within a call's 600
+  TESTS_FIRST=${TESTS_FIRST-"shared_launches or terms_inside or side_stream or another_terms_path or one_launch or overlap or fused"}
 fi
 if has profile; then
   timeout 200 python3 benchmarks/gpu/decode_profile.py ${PROFILE_ARGS:-} 2>&1 | quiet | tee "$OUT/decode_profile.log"
 fi
-if has tests; then
-  timeout ${TESTS_S:-420} python3 -m pytest -v -m gpu tests/test_gpu.py -p no:cacheprovider --durations=8 2>&1 | quiet | tee "$OUT/gpu_tests.log" | tail -15
+gpu_tests() {  # $1: seconds, $2: a -k expression (empty: all), $3: the log's suffix
+  timeout $1 python3 -m pytest -v -m gpu tests/test_gpu.py -p no:cacheprovider --durations=8 ${2:+-k "$2"} 2>&1 | quiet | tee "$OUT/gpu_tests$3.log" | tail -15
+}
+if has tests; then  # TESTS_FIRST: a -k expression run first (tests never run on a GPU), the rest after
+  if [ -n "${TESTS_FIRST:-}" ]; then
+    gpu_tests $(( ${TESTS_S:-420} * 11 / 20 )) "$TESTS_FIRST" _first
+    gpu_tests $(( ${TESTS_S:-420} * 9 / 20 )) "not ($TESTS_FIRST)" _rest
+  else
+    gpu_tests ${TESTS_S:-420} "" ""
+  fi
 fi
 has kernel && kernel
 has inside && inside
