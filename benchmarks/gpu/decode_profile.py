@@ -80,7 +80,7 @@ def main() -> None:
     kw = dict(min_new_tokens=args.new_tokens)
     members = population(0, 0, args.members)
     row_member = torch.arange(args.members).repeat_interleave(args.rows // args.members)
-    summary, lora = {}, []
+    summary, lora = {}, None
     for mode in args.modes.split(","):
         static, context = None, nullcontext()
         StaticPopulation.overlap = mode.endswith("-overlap")  # the terms beside the GEMMs (esrl.es.side_terms)
@@ -92,10 +92,10 @@ def main() -> None:
             from esrl.es.config import ESConfig
             from esrl.es.setup import build_policy, build_selection
 
-            if not lora:  # the adapter is injected into `model` in place: once, for every lora mode
+            if lora is None:  # the adapter is injected into `model` in place: once, for every lora mode
                 cfg = ESConfig(mode="lora", sigma=0.01, lora_rank=8, lora_alpha=16)
                 peft_model = build_policy(model, cfg, 0)
-                lora[:] = [peft_model, *build_selection(peft_model, cfg)]
+                lora = (peft_model, *build_selection(peft_model, cfg))
             static = get_mode("lora").static_population(*lora)
         if static is not None:
             static.load(members)

@@ -202,7 +202,7 @@ def add_terms_(outs: list[torch.Tensor], terms: list[torch.Tensor]) -> None:
     MAX_LINEARS of them, the same numbers as the kernel's in-place add; torch's add_ elsewhere (the same rounding)."""
     if triton is None or not (outs[0].is_cuda or INTERPRETED) or not all(y.is_contiguous() for y in outs):
         for y, t in zip(outs, terms):
-            y.view(t.shape).add_(t)
+            y.add_(t.view(y.shape))
         return
     for start in range(0, len(outs), MAX_LINEARS):
         part = list(zip(outs[start:start + MAX_LINEARS], terms[start:start + MAX_LINEARS]))

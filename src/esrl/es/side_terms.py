@@ -80,7 +80,7 @@ class SideTerms:
             self._stream.synchronize()
             torch.cuda.current_stream(self._stream.device).synchronize()
         self._terms.clear()
-        self._ready.clear()
+        self.clear()
 
     def _term(self, key: str, place: int, rows: int, width: int, device: torch.device) -> torch.Tensor:
         """The buffer of a kind of linear at a place in its run (two of one kind in a run must not share one)."""

@@ -190,9 +190,8 @@ class StaticPopulation:
         self._handles = []
         self._restore_mlps()
         self._restore_mlps = lambda: None
-        for module in self._carried:
-            if _CARRIED.get(module) is self:
-                del _CARRIED[module]
+        for module in self._carried:  # a second population was refused, so each entry is this one
+            _CARRIED.pop(module, None)
         if self._side is not None:
             self._side.release()
         self._carried, self._inside, self._sizes, self._storage, self._buffers = [], [], {}, {}, {}
