@@ -125,6 +125,36 @@ def test_stop_strings_cut_where_generate_stops(setup, stop):
     assert all(eager.tokenizer.eos_token_id not in c.token_ids for c in stopped)
 
 
+def test_a_stop_string_begun_in_the_prompt_does_not_end_the_row(setup):
+    """The tiny model answers 'Hello there, how' with ' how how ...': 'ow h' first spans the prompt's end and the
+    first token. Both paths stop where the completion's own text holds it (transformers' stop_strings, which read
+    the prompt too, ended generate's row after one token, marked neither stopped nor ended)."""
+    _, eager, compiled = setup
+    prompts, stop = ["Hello there, how", "Hi"], ["ow h"]
+    want = eager.generate(prompts, max_new_tokens=NEW, stop=stop)
+    assert want[0].text.endswith("ow h") and len(want[0].token_ids) > 1 and not want[0].truncated
+    got = compiled.generate(prompts, max_new_tokens=NEW, stop=stop)
+    assert [(c.text, c.token_ids, c.truncated) for c in got] == [(c.text, c.token_ids, c.truncated) for c in want]
+
+
+def test_the_models_generation_config_changes_no_token(setup):
+    """A checkpoint's repetition_penalty or no_repeat_ngram_size (Qwen2.5-Instruct ships one) would steer generate
+    alone: the static decoder and vLLM apply none. The engine's generate calls set them neutral."""
+    model, eager, compiled = setup
+    plain = _tokens(compiled.generate(MIXED, max_new_tokens=NEW))
+    config = model.generation_config
+    saved = config.to_dict()
+    try:
+        config.repetition_penalty, config.no_repeat_ngram_size = 1.8, 2
+        enc = eager.tokenizer(MIXED, return_tensors="pt", padding=True, add_special_tokens=False)
+        steered = model.generate(**enc, max_new_tokens=NEW, do_sample=False)[:, enc["input_ids"].shape[1]:]
+        assert [row[:len(p)] for row, p in zip(steered.tolist(), plain)] != plain  # generate alone would differ
+        assert _tokens(eager.generate(MIXED, max_new_tokens=NEW, stop=["\x00never"])) == plain
+        assert _tokens(compiled.generate(MIXED, max_new_tokens=NEW)) == plain
+    finally:
+        config.update(**saved)
+
+
 def test_sampled_return_sequences_repeat_for_a_seed(setup):
     _, eager, compiled = setup
     kw = dict(max_new_tokens=NEW, greedy=False, temperature=1.0, top_p=0.9, num_return_sequences=3)

@@ -166,3 +166,16 @@ def test_columns_named_like_esrls_own_arguments_reach_the_reward_function():
 
     task = Task("t", [], [], reward_funcs=[lambda prompts, completions, name, func, **_: [float(len(name[0] + func[0]))]])
     assert task.rewards([{"prompt": "a", "name": "bob", "func": "xy"}], ["x"]) == [5.0]
+
+
+def test_chat_prompts_on_a_tokenizer_without_a_chat_template_say_what_to_change(tiny_model):
+    """A base model's tokenizer (no template) got transformers' ValueError traceback at the first rollout."""
+    from esrl.models import load_tokenizer
+    from esrl.rollout import render_prompts
+
+    tok = load_tokenizer(tiny_model)
+    assert render_prompts(tok, [[{"role": "user", "content": "hi"}]])[0].endswith("assistant\n")
+    tok.chat_template = None
+    assert render_prompts(tok, ["raw text"]) == ["raw text"]
+    with pytest.raises(ConfigError, match="no chat template.*data.task_args.chat false"):
+        render_prompts(tok, [[{"role": "user", "content": "hi"}]])

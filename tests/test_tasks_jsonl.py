@@ -132,6 +132,23 @@ def test_config_errors(tmp_path, rewards_module):
         build(train)
     with pytest.raises(ConfigError, match="^data.task_args.reward_weights"):
         build(train, reward_funcs=[f"{rewards_module}:length"], reward_weights=[1.0, 2.0])
+    # one stop string given as a str is that string, not its characters; an empty one would cut everything
+    assert build(train, reward_funcs=[f"{rewards_module}:length"], stop="</answer>").stop == ["</answer>"]
+    with pytest.raises(ConfigError, match="stop must be a list of non-empty strings"):
+        build(train, reward_funcs=[f"{rewards_module}:length"], stop=["</answer>", ""])
+
+
+def test_a_task_refuses_fewer_weights_than_reward_functions(rewards_module):
+    """zip() would drop the reward functions past the last weight, silently (TRL refuses too): any Task, a custom
+    builder's included."""
+    from esrl.tasks.base import Task
+
+    funcs = [import_function(f"{rewards_module}:length"), import_function(f"{rewards_module}:seen_prompts")]
+    assert Task("mine", [], [], funcs, reward_weights=[1.0, 2.0]).reward_weights == [1.0, 2.0]
+    with pytest.raises(ConfigError, match="task 'mine': 1 reward_weights for 2 reward functions"):
+        Task("mine", [], [], funcs, reward_weights=[1.0])
+    with pytest.raises(ConfigError, match="stop must be a list"):
+        Task("mine", [], [], funcs, stop="</answer>")
 
 
 def test_import_function_accepts_both_spellings():

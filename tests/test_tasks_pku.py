@@ -102,6 +102,18 @@ def test_stratified_split_rounding_and_limits(pku_file):
         stratified_split(rows, 50, 11)
 
 
+def test_stratified_split_takes_every_prompt_when_both_quotas_round_up_in_one_stratum(pku_file):
+    """Strata of 3, 3 and 4 prompts split 5 + 5: each quota alone rounds the 3-prompt stratum up to 2 (2 + 2 > 3);
+    the eval row it lacks comes from where rows are left, and a split of every prompt still succeeds."""
+    rows = [{"prompt": f"p{i}", "is_response_0_safe": i < 6, "is_response_1_safe": i < 3} for i in range(10)]
+    train, evals = stratified_split(rows, 5, 5, seed=0)
+    assert len(train) == len(evals) == 5
+    assert {r["prompt"] for r in train} | {r["prompt"] for r in evals} == {r["prompt"] for r in rows}
+    assert stratified_split(rows, 5, 5, seed=0) == (train, evals)
+    with pytest.raises(ConfigError, match="num_train must be >= 1"):
+        build_task("pku_saferlhf", path=str(pku_file), num_train=0, num_eval=0, scorer=TableScorer({}))
+
+
 def test_bad_data_names_the_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(_row(0, True, True)) + "\n" + json.dumps({"prompt": "x", "is_response_0_safe": True})

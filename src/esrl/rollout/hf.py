@@ -10,6 +10,7 @@ from typing import Sequence
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from esrl.rollout.base import Completion, EngineCapabilities, RolloutEngine, RowWeights
 from esrl.rollout.static_decode import DecodeKey, StaticDecoder, module_context, supports_static_decode
@@ -27,6 +28,33 @@ ROLLOUT_ATTENTION = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 def rollout_attention(device: torch.device):
     """The attention kernels rollouts may use on `device`: repeatable ones (no cuDNN) on CUDA."""
     return sdpa_kernel(ROLLOUT_ATTENTION) if device.type == "cuda" else nullcontext()
+
+
+# generate takes from the model's generation_config whatever a call leaves unset: a checkpoint's repetition_penalty
+# (Qwen2.5-Instruct declares 1.05-1.1), no_repeat_ngram_size, min_p, num_beams... The static decoder and vLLM apply
+# none of them, and GRPO's log-probs assume plain sampling, so every call sets them neutral (those this transformers
+# knows).
+NEUTRAL_GENERATION = {key: value for key, value in dict(
+    num_beams=1, num_beam_groups=1, diversity_penalty=0.0, repetition_penalty=1.0, encoder_repetition_penalty=1.0,
+    no_repeat_ngram_size=0, encoder_no_repeat_ngram_size=0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0,
+    min_p=None, top_h=None, min_length=0, bad_words_ids=None, sequence_bias=None, suppress_tokens=None,
+    begin_suppress_tokens=None, forced_bos_token_id=None, forced_eos_token_id=None, guidance_scale=None,
+    exponential_decay_length_penalty=None, renormalize_logits=False, remove_invalid_values=False,
+    watermarking_config=None, penalty_alpha=None, dola_layers=None, prompt_lookup_num_tokens=None, max_time=None,
+).items() if hasattr(GenerationConfig(), key)}
+
+
+class CompletionStops(StoppingCriteria):
+    """Ends a row once its completion's text holds a stop string. transformers' own stop_strings match the whole
+    sequence, so a string begun in the prompt (a template's trailing newline, stop "\n\n") ended rows after their
+    first token, which the static decoder and vLLM, reading the completion alone, do not."""
+
+    def __init__(self, tokenizer, stop: Sequence[str], prompt_len: int):
+        self.tokenizer, self.stop, self.prompt_len = tokenizer, list(stop), prompt_len
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        texts = self.tokenizer.batch_decode(input_ids[:, self.prompt_len:], skip_special_tokens=True)
+        return torch.tensor([any(s in text for s in self.stop) for text in texts], device=input_ids.device)
 
 
 class HFEngine(RolloutEngine):
@@ -151,8 +179,8 @@ class HFEngine(RolloutEngine):
 
     def _hf_generate(self, enc, max_new_tokens, greedy, temperature, top_p, stop, n, min_new_tokens) -> list:
         tok = self.tokenizer
-        kwargs = dict(max_new_tokens=max_new_tokens, num_return_sequences=n, pad_token_id=tok.pad_token_id,
-                      eos_token_id=self.eos_token_ids)
+        kwargs = dict(NEUTRAL_GENERATION, max_new_tokens=max_new_tokens, num_return_sequences=n,
+                      pad_token_id=tok.pad_token_id, eos_token_id=self.eos_token_ids)
         if min_new_tokens:
             kwargs["min_new_tokens"] = min_new_tokens
         if greedy:
@@ -160,7 +188,7 @@ class HFEngine(RolloutEngine):
         else:
             kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
         if stop:
-            kwargs.update(stop_strings=stop, tokenizer=tok)
+            kwargs["stopping_criteria"] = StoppingCriteriaList([CompletionStops(tok, stop, enc["input_ids"].shape[1])])
         with rollout_attention(self.model.device):
             seqs = self.model.generate(**enc, **kwargs)
         return seqs[:, enc["input_ids"].shape[1]:].tolist()
@@ -193,8 +221,8 @@ def end_token_ids(model, tokenizer) -> list[int]:
 
 
 def first_stop_prefix(tokenizer, ids: list[int], stop: Sequence[str]) -> list[int]:
-    """The shortest prefix of `ids` whose text holds a stop string (all of `ids` if none does): where transformers'
-    stop_strings would have ended the row. The static decoder keeps decoding such rows, so their ids are cut here."""
+    """The shortest prefix of `ids` whose text holds a stop string (all of `ids` if none does): where
+    CompletionStops ended generate's row. The static decoder keeps decoding such rows, so their ids are cut here."""
     def stops(k: int) -> bool:
         text = tokenizer.decode(ids[:k], skip_special_tokens=True)
         return any(s in text for s in stop)

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from esrl.errors import DataError
+from esrl.errors import ConfigError, DataError
 from esrl.tasks.base import Prompt
 
 
 def render_prompts(tokenizer, prompts: Sequence[Prompt]) -> list[str]:
-    """Chat prompts through the tokenizer's chat template; raw prompts as they are."""
+    """Chat prompts through the tokenizer's chat template; raw prompts as they are. A tokenizer without a template
+    (a base model's) cannot render chat prompts: one line saying what to change, not transformers' traceback."""
+    if getattr(tokenizer, "chat_template", None) is None and any(isinstance(p, list) for p in prompts):
+        raise ConfigError(f"model.policy: the tokenizer of {getattr(tokenizer, 'name_or_path', 'the model')!r} has "
+                          "no chat template, and the task's prompts are chat messages: use a chat (instruct) model, "
+                          "or raw prompts (jsonl and math tasks: data.task_args.chat false)")
     return [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) if isinstance(p, list)
             else p for p in prompts]
 

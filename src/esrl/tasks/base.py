@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from esrl.errors import ConfigError
 from esrl.tasks.reward_values import call_reward, reward_floats, reward_name
 
 # A prompt is either raw text or a chat conversation (list of {"role", "content"} messages) that the
@@ -47,6 +48,15 @@ class Task:
     last_scored: list[bool] = field(default_factory=list, repr=False, compare=False)
     # each reward function's values in the last `rewards` call, NaN where it returned None (TRL's rewards/<name>).
     last_per_function: dict[str, list[float]] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        """What would otherwise go wrong silently: zip() dropping the functions past the last weight (TRL refuses
+        too), a stop string given as one str cut at its first character, an empty one cutting every completion."""
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ConfigError(f"task {self.name!r}: {len(self.reward_weights)} reward_weights for "
+                              f"{len(self.reward_funcs)} reward functions")
+        if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ConfigError(f"task {self.name!r}: stop must be a list of non-empty strings, got {self.stop!r}")
 
     def prompt(self, row: dict[str, Any]) -> Prompt:
         if self.prompt_fn is not None:

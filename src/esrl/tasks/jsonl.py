@@ -65,10 +65,12 @@ def build(train_path: str, eval_path: str | None = None, prompt_field: str = "pr
         reward_funcs: import paths of TRL-signature reward functions, `package.module:function`.
         reward_weights: one weight per reward function (default: all 1).
         chat: wrap text prompts as a user message for the chat template (False: feed the text raw).
-        stop: strings that end generation.
+        stop: strings that end generation (one string: that string).
     """
     if isinstance(reward_funcs, str):
         reward_funcs = [reward_funcs]
+    if isinstance(stop, str):
+        stop = [stop]
     if not reward_funcs:
         raise ConfigError("data.task_args.reward_funcs: give at least one reward function "
                           "('package.module:function')")

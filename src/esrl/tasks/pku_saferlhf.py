@@ -88,6 +88,13 @@ def stratified_split(rows: Sequence[dict[str, Any]], num_train: int, num_eval: i
                           f"{available} distinct prompts of the data")
     sizes = {k: len(g) for k, g in groups.items() if g}
     q_train, q_eval = _quotas(sizes, num_train), _quotas(sizes, num_eval)
+    # Rounded apart, both quotas can round up in a small stratum: its excess eval rows go where rows are left.
+    excess = {k: max(0, q_train[k] + q_eval[k] - sizes[k]) for k in sizes}
+    for k in sizes:
+        q_eval[k] -= excess[k]
+    for k in sorted(sizes, key=lambda k: (-(sizes[k] - q_train[k] - q_eval[k]), STRATA.index(k))):
+        moved = min(sizes[k] - q_train[k] - q_eval[k], num_eval - sum(q_eval.values()))
+        q_eval[k] += moved
     rng = random.Random(seed)
     train: list[dict[str, Any]] = []
     evals: list[dict[str, Any]] = []
@@ -95,8 +102,6 @@ def stratified_split(rows: Sequence[dict[str, Any]], num_train: int, num_eval: i
         group = list(groups[k])
         rng.shuffle(group)
         a, b = q_train.get(k, 0), q_eval.get(k, 0)
-        if a + b > len(group):  # rounding took more than the stratum holds: impossible when n <= available
-            raise ConfigError(f"data.task_args: stratum {k} has {len(group)} prompts, {a} + {b} requested")
         train += group[:a]
         evals += group[a:a + b]
     rng.shuffle(train)
@@ -270,7 +275,7 @@ def build(path: str = HUB_ID, config: str | None = "alpaca-7b", split: str = "tr
     elif eval_path is not None:
         raise ConfigError("data.task_args.eval_path: give train_path with it (or `path` to split one file)")
     else:
-        train_rows, eval_rows = stratified_split(load_rows(path, config, split), num_train or 250,
+        train_rows, eval_rows = stratified_split(load_rows(path, config, split), 250 if num_train is None else num_train,
                                                  num_eval if num_eval is not None else 500, seed)
     lagrangian = Lagrangian(lambda_init, adapt=lambda_adapt, lr=lambda_lr, ema=lambda_ema, d=cost_margin,
                             lambda_min=lambda_min, lambda_max=lambda_max, field="data.task_args",
