@@ -35,6 +35,10 @@ def error_lines(out) -> list[str]:
     (["--model.es.layers", "5-2"], "model.es.layers: expected layer ranges"),
     (["--model.es.exclude", "[(]"], "model.es.exclude: '(' is not a regular expression"),
     (["--model.es.momentum", "1.5"], "model.es.momentum: must be in [0, 1)"),
+    (["--model.es.optimizer", "adam", "--model.es.momentum", "0.9"],
+     "model.es.momentum: applies to optimizer sgd only"),  # AdamW dropped it silently
+    (["--trainer.precision", "bf16-true"],  # Lightning converted the weights the seed log calls float32
+     "trainer.precision bf16-true with model.policy.dtype float32: ES would perturb and update torch.bfloat16"),
     (["--model.rollout.stop", '[""]'], "model.rollout.stop: stop strings must be non-empty"),
     (["--algo", "grpo", "--model.grpo.lora", "{layers: '5-9'}"],
      "model.grpo.lora.layers: '5-9' reaches past the model's 2 layers (0-1)"),  # not PEFT's "target modules"

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import assert_same_tensors, fit_final, load_safetensors, run_esrl, write_tiny_config
 
 pytestmark = pytest.mark.slow
@@ -138,10 +139,21 @@ def test_export_checks_the_base_and_rebuilds_steps_before_a_torn_line(tiny_model
                                         rf"are intact \(pass --step {STEPS - 1} or less\)$"):
         export(str(torn), str(tmp_path / "all"), tiny_model)
 
-    old = tmp_path / "old.jsonl"
+    # The noise is the generator's of the device the run drew it on (a GPU's Philox differs from the CPU's draws):
+    # a run from a GPU is refused where there is none, never replayed with the CPU's numbers.
     header = json.loads(lines[0])
-    del header["base_fingerprint"]
+    assert header["device"] == "cpu"
+    if not torch.cuda.is_available():
+        gpu = tmp_path / "gpu.jsonl"
+        gpu.write_text("\n".join([json.dumps({**header, "device": "cuda"}), *lines[1:]]) + "\n")
+        with pytest.raises(DataError, match="drew its noise on cuda, .*export it on a machine with cuda$"):
+            export(str(gpu), str(tmp_path / "gpu"), tiny_model)
+        assert not (tmp_path / "gpu").exists()
+
+    old = tmp_path / "old.jsonl"
+    del header["base_fingerprint"], header["device"]
     old.write_text("\n".join([json.dumps(header), *lines[1:]]) + "\n")
     capsys.readouterr()
     export(str(old), str(tmp_path / "old"), other, 1)
-    assert "records no base fingerprint (an older log): cannot check" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "records no base fingerprint (an older log): cannot check" in err and "records no device" in err

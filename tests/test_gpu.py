@@ -8,6 +8,7 @@ model's package: config and tokenizer files only).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -57,6 +58,24 @@ def test_two_es_fits_give_identical_weights(qwen, tmp_path, mode, compile, monke
         compile = compile.removesuffix("-overlap")
     a, b = fit_weights(qwen, tmp_path / "a", mode, compile), fit_weights(qwen, tmp_path / "b", mode, compile)
     _assert_same(a, b)
+
+
+@pytest.mark.parametrize("mode", ["full", "lowrank", "lora"])
+def test_an_es_fit_on_cuda_exports_from_its_seed_log_to_its_final_weights(qwen, tmp_path, mode):
+    """The seed log names the device whose generator drew the noise (a GPU's Philox, not the CPU's numbers):
+    `esrl export` replays there, to final/'s weights bit for bit."""
+    from conftest import assert_same_tensors, load_safetensors
+
+    from esrl.export import export
+
+    if mode == "lora":
+        pytest.importorskip("peft")
+    fit_weights(qwen, tmp_path / "fit", mode)
+    (log,) = (tmp_path / "fit").rglob("seed_log.jsonl")
+    (final,) = (tmp_path / "fit").rglob("final/model.safetensors")
+    assert json.loads(log.read_text().splitlines()[0])["device"] == "cuda"
+    out = export(str(log), str(tmp_path / "export"), qwen)
+    assert_same_tensors(load_safetensors(final), load_safetensors(out / "model.safetensors"))
 
 
 @pytest.mark.parametrize("mode", ["full", "lowrank"])

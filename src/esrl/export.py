@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch
+
 from esrl.checkpoints import check_root_dir
 from esrl.errors import DataError
 from esrl.es.fingerprint import weights_fingerprint
@@ -28,6 +30,20 @@ def check_base(model, base: str, header: dict, seed_log: str) -> None:
                         f"{expected}; the run started from {header['policy']['name_or_path']})")
 
 
+def replay_device(header: dict, seed_log: str) -> str:
+    """Where the run drew its noise: a GPU's generator (Triton's Philox) and the CPU's draw different numbers from
+    one seed, so a run trained on a GPU replays on one, or is refused in one line rather than rebuilt wrong."""
+    device = header.get("device")
+    if device is None:
+        print(f"esrl export: warning: {seed_log} records no device (an older log): replayed on the CPU, which "
+              "rebuilds a run trained on the CPU only", file=sys.stderr)
+        return "cpu"
+    if device != "cpu" and not getattr(torch, device).is_available():
+        raise DataError(f"{seed_log}: the run drew its noise on {device}, whose generator the CPU's does not "
+                        f"repeat; export it on a machine with {device}")
+    return device
+
+
 def export(seed_log: str, out: str, base: str | None = None, step: int | None = None) -> Path:
     """The weights after `step` logged iterations (default: all) saved under `out`; step K needs lines up to K
     intact, whatever follows them."""
@@ -36,6 +52,7 @@ def export(seed_log: str, out: str, base: str | None = None, step: int | None = 
     base = base or header["policy"]["name_or_path"]
     model = load_causal_lm(base, header["policy"]["dtype"])
     check_base(model, base, header, seed_log)
+    model = model.to(replay_device(header, seed_log))
     model = replay(model, header, records)  # lora: the adapter-wrapped model
     mode = get_mode(header["es"]["mode"])  # lora: out/adapter/ and the merged model in out/
     return mode.save_final(model, load_tokenizer(base), out)

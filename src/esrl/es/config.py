@@ -84,6 +84,8 @@ class ESConfig:
         require(self.optimizer in ("sgd", "adam"), "model.es.optimizer", f"choose sgd or adam, got {self.optimizer!r}")
         require(0 <= self.momentum < 1, "model.es.momentum", f"must be in [0, 1) (1 and above diverge), "
                 f"got {self.momentum}")
+        require(self.optimizer == "sgd" or self.momentum == 0, "model.es.momentum",
+                f"applies to optimizer sgd only (adam keeps its own moments), got {self.momentum} with adam")
         check_filter(self.include, self.exclude, self.layers)
         require(self.weight_decay >= 0, "model.es.weight_decay", "must be >= 0")
         get_mode(self.mode).validate(self)  # the mode's own fields (rank, lora_*) and combinations

@@ -19,7 +19,7 @@ from esrl.es.seed_log import append_record, make_header, make_record, write_seed
 from esrl.es.setup import build_optimizer, build_policy, build_selection
 from esrl.es.shaping import shape_fitness
 from esrl.es.update import es_step, weights_checksum
-from esrl.policy import PolicyConfig, PolicyModule, world_info
+from esrl.policy import PolicyConfig, PolicyModule, precision_dtype, world_info
 from esrl.rollout import AdapterSpec, Completion, RolloutConfig, engine_capabilities
 from esrl.tasks.reward_values import check_bad_rewards
 
@@ -75,6 +75,12 @@ class ESModule(PolicyModule):
             raise ConfigError(f"trainer.precision {self.trainer.precision}: ES takes no mixed precision (no backward "
                               "to autocast; fp16's grad scaler would rescale the ES gradient); set model.policy.dtype "
                               "and use 32-true or bf16-true")
+        converted = precision_dtype(self.trainer)  # a true half precision converts the loaded weights
+        if converted is not None and converted != getattr(torch, self.policy_config.dtype):
+            raise ConfigError(f"trainer.precision {self.trainer.precision} with model.policy.dtype "
+                              f"{self.policy_config.dtype}: ES would perturb and update {converted} weights while "
+                              f"its seed log says {self.policy_config.dtype}; set model.policy.dtype "
+                              f"{str(converted).removeprefix('torch.')} (or trainer.precision 32-true)")
         world, prompts = self.trainer.world_size, getattr(self.trainer.datamodule, "prompts_per_step", 1)
         units = (-(-self.es.population_size // self.members_per_chunk(prompts)) if self.mode.batched
                  else self.es.population_size)  # members (sequential modes) or chunks (batched) to share out
@@ -236,7 +242,8 @@ class ESModule(PolicyModule):
         # A resumed run rewrites the history restored from its checkpoint, so its log is complete.
         if self.trainer.is_global_zero:
             write_seed_log(self.run_dir() / "seed_log.jsonl",
-                           make_header(self.es, self.noise_seed, self.policy_config, self.base_fingerprint),
+                           make_header(self.es, self.noise_seed, self.policy_config, self.base_fingerprint,
+                                       self.selection.params[0].device.type),
                            self.seed_log_records)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -30,10 +30,13 @@ def decode_fitness(text: str) -> torch.Tensor:
     return torch.from_numpy(np.frombuffer(base64.b64decode(text), dtype="<f8").copy())
 
 
-def make_header(es_config, noise_seed: int, policy_config, base_fingerprint: str | None = None) -> dict[str, Any]:
-    """base_fingerprint: esrl.es.fingerprint of the base weights (logs written before it existed lack it)."""
+def make_header(es_config, noise_seed: int, policy_config, base_fingerprint: str | None = None,
+                device: str = "cpu") -> dict[str, Any]:
+    """base_fingerprint: esrl.es.fingerprint of the base weights (logs written before it existed lack it). device:
+    the weights' device type, whose generator drew the noise (a GPU's Philox, the CPU's Mersenne Twister): the
+    same seeds replay the run only there."""
     header = {"format": "esrl-seed-log/1", "es": asdict(es_config), "noise_seed": noise_seed,
-              "policy": asdict(policy_config)}
+              "policy": asdict(policy_config), "device": device}
     if base_fingerprint is not None:
         header["base_fingerprint"] = base_fingerprint
     return header
