@@ -8,6 +8,7 @@ import yaml
 from conftest import ROOT, run_esrl
 
 from esrl import needs
+from esrl.errors import ConfigError
 
 
 def test_env_lists_versions_devices_and_the_model_cache():
@@ -122,6 +123,11 @@ def test_the_gpus_a_trainer_devices_value_needs(devices, wanted, monkeypatch):
     (need,) = [n for n in needs.local_needs({"trainer": {"accelerator": "gpu", "devices": devices}})
                if n.field.startswith("trainer.accelerator")]
     assert need.status == (needs.OK if wanted == 1 else needs.MISSING) and need.what == f"{wanted} CUDA GPU(s)"
+
+
+def test_a_devices_value_that_is_no_gpu_index_is_named():
+    with pytest.raises(ConfigError, match=r"^trainer.devices '0,x': expected a count, -1, 'auto' or GPU indices"):
+        needs.gpus_wanted("0,x")
 
 
 def test_env_config_checks_the_fields_as_fit_does(tmp_path):

@@ -107,6 +107,8 @@ def test_an_unknown_or_misplaced_command_is_named(argv, message):
                                         "each k must be <= num_samples (2)"),
     ({"num_sample": 2}, "trainer.callbacks: esrl.callbacks.Evaluation has no option num_sample (did you mean "
                         "num_samples?)"),
+    ({"every_n_steps": -1}, "trainer.callbacks (esrl.callbacks.Evaluation): Evaluation.every_n_steps -1 and "
+                            "table_rows 8: must be >= 0"),  # step % -1 == 0: evaluated every step
 ])
 def test_a_callbacks_bad_argument_is_one_line_naming_it(tmp_path, init_args, message):
     """jsonargparse tries a callback list as a Union: its report was ~80 lines, or a traceback (exit 1)."""

@@ -69,6 +69,8 @@ def test_service_rejects_bad_requests(service, body, token, status, detail):
 def test_service_rejects_non_json(service):
     answer = _post(service, None, content=b"not json", token=TOKEN)
     assert answer.status_code == 422 and "not JSON" in answer.json()["detail"]
+    deep = _post(service, None, content=b"[" * 3000 + b"]" * 3000, token=TOKEN)  # was a 500 the client retried
+    assert deep.status_code == 422 and "nested too deeply" in deep.json()["detail"]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -144,6 +146,7 @@ def fixed_server():
     (b'{"rewards": [1.0], "costs": [1.0]}', "1 rewards for 2 responses"),
     (b'{"rewards": [1.0, "x"], "costs": [1.0, 2.0]}', r"rewards\[1\] is not a number"),
     (b'{"rewards": [1.0, 2.0], "costs": [NaN, 2.0]}', r"costs\[0\] is not finite"),
+    (b'{"rewards": [1.0, 2.0], "costs": [1' + b"0" * 400 + b', 2.0]}', r"costs\[0\] is not finite"),  # no float
     (b'{"rewards": [1.0, 2.0]}', "expected a JSON object with 'rewards' and 'costs'"),
     (b"<html>oops</html>", "the answer is not JSON"),
 ])

@@ -58,7 +58,11 @@ def gpus_wanted(devices: Any) -> int:
     """The GPUs a Trainer's `devices` needs, read as Lightning reads it: a count (2, "2"), GPU indices ([1], "0,1",
     "1,": as many as the highest index + 1), or every GPU (-1, "-1", "auto": at least one)."""
     if isinstance(devices, (list, tuple)) or (isinstance(devices, str) and "," in devices):
-        ids = [int(i) for i in (devices if not isinstance(devices, str) else devices.split(",")) if str(i).strip()]
+        try:
+            ids = [int(i) for i in (devices if not isinstance(devices, str) else devices.split(",")) if str(i).strip()]
+        except ValueError:
+            raise ConfigError(f"trainer.devices {devices!r}: expected a count, -1, 'auto' or GPU indices such as "
+                              "'0,1'") from None
         return max(ids, default=-1) + 1 or 1
     text = str(devices).strip()
     return int(text) if text.isdigit() and int(text) > 0 else 1

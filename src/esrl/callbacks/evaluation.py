@@ -44,6 +44,9 @@ class Evaluation(L.Callback):
             table_rows: prompts whose completions go to the sample table (`samples.csv`, W&B when on).
             seed: sampling seed, fixed so evaluations differ only by the weights.
         """
+        if every_n_steps < 0 or table_rows < 0:  # step % -1 == 0: every step, silently
+            raise ValueError(f"Evaluation.every_n_steps {every_n_steps} and table_rows {table_rows}: must be >= 0 "
+                             "(0: never)")
         self.every_n_steps = every_n_steps
         self.before = before
         self.after = after

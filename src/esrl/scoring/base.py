@@ -14,6 +14,13 @@ from typing import Any, Sequence
 from esrl.errors import ScorerError
 
 
+def _finite(v: int | float) -> bool:
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int past float's range (10**400)
+        return False
+
+
 def check_scores(rewards: Any, costs: Any, n: int, source: str) -> tuple[list[float], list[float]]:
     """Two lists of n finite numbers, or ScorerError naming `source` and what was wrong."""
     out = []
@@ -25,7 +32,7 @@ def check_scores(rewards: Any, costs: Any, n: int, source: str) -> tuple[list[fl
         for i, v in enumerate(values):
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ScorerError(f"{source}: {name}[{i}] is not a number ({v!r:.40})")
-            if not math.isfinite(v):
+            if not _finite(v):
                 raise ScorerError(f"{source}: {name}[{i}] is not finite ({v})")
         out.append([float(v) for v in values])
     return out[0], out[1]

@@ -87,6 +87,8 @@ def create_app(scorer: Scorer, token: str | None = None, max_items: int = DEFAUL
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return error(422, f"the body is not JSON ({e})")
+        except RecursionError:  # [[[[...]]]] within max_body: a bad request, not a server error to retry
+            return error(422, "the body is JSON nested too deeply")
         if not isinstance(data, dict):
             return error(422, "the body must be a JSON object {\"prompts\": [...], \"responses\": [...]}")
         for key in ("prompts", "responses"):
