@@ -47,14 +47,22 @@ NEUTRAL_GENERATION = {key: value for key, value in dict(
 class CompletionStops(StoppingCriteria):
     """Ends a row once its completion's text holds a stop string. transformers' own stop_strings match the whole
     sequence, so a string begun in the prompt (a template's trailing newline, stop "\n\n") ended rows after their
-    first token, which the static decoder and vLLM, reading the completion alone, do not."""
+    first token, which the static decoder and vLLM, reading the completion alone, do not. Each step decodes the
+    last few tokens (a string of L characters ends within the last L), the whole completion only where they hold
+    one; one missed there (a decode's cleanup at the window's start) costs steps, not tokens: _completion cuts."""
 
     def __init__(self, tokenizer, stop: Sequence[str], prompt_len: int):
         self.tokenizer, self.stop, self.prompt_len = tokenizer, list(stop), prompt_len
+        self.window = max(map(len, self.stop)) + 2
+
+    def _holds_stop(self, ids: torch.Tensor) -> bool:
+        return any(s in self.tokenizer.decode(ids, skip_special_tokens=True) for s in self.stop)
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        texts = self.tokenizer.batch_decode(input_ids[:, self.prompt_len:], skip_special_tokens=True)
-        return torch.tensor([any(s in text for s in self.stop) for text in texts], device=input_ids.device)
+        new = input_ids[:, self.prompt_len:]
+        tails = self.tokenizer.batch_decode(new[:, -self.window:], skip_special_tokens=True)
+        return torch.tensor([any(s in tail for s in self.stop) and self._holds_stop(row)
+                             for tail, row in zip(tails, new)], device=input_ids.device)
 
 
 class HFEngine(RolloutEngine):
