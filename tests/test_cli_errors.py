@@ -30,7 +30,9 @@ def error_lines(out) -> list[str]:
     (["--trainer.devices", "0"], "trainer: `Trainer(devices='0')` value is not a valid input"),
     (["--trainer.accumulate_grad_batches", "0"], "trainer.accumulate_grad_batches: must be >= 1, got 0"),
     (["--model.es.include", "[zzz_nomatch]"], "model.es.include / exclude / layers: the filter"),
-    (["--model.es.layers", "50-60"], "model.es.include / exclude / layers: the filter"),
+    (["--model.es.layers", "50-60"], "model.es.layers: '50-60' reaches past the model's 2 layers (0-1)"),
+    (["--model.es.layers", "0,200"], "model.es.layers: '0,200' reaches past the model's 2"),  # 200 was dropped
+    (["--model.es.layers", "1-"], "model.es.layers: expected layer ranges"),  # was layer 1 alone
     (["--model.es.layers", "abc"], "model.es.layers: expected layer ranges such as '0-5,20', got 'abc'"),
     (["--model.es.layers", "5-2"], "model.es.layers: expected layer ranges"),
     (["--model.es.exclude", "[(]"], "model.es.exclude: '(' is not a regular expression"),

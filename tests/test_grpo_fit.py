@@ -233,3 +233,15 @@ def test_a_sleeping_engine_sleeps_once_a_window_after_all_its_samples(grpo_confi
     trained = [c for c in calls if c != "eval"]
     window = ["sample", "sample", "sleep"] + ["logps"] * 2 * (cli.model.grpo.beta > 0)
     assert trained == window * 2, calls
+
+
+def test_per_token_logps_refuses_to_score_the_first_token(tiny_model):
+    """No position comes before the first token: logits_to_keep == length wrapped to the last position's logits."""
+    from esrl.models import load_causal_lm
+    from esrl.models.logps import per_token_logps
+
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    model = load_causal_lm(tiny_model)
+    assert per_token_logps(model, ids, torch.ones_like(ids), 4).shape == (1, 4)
+    with pytest.raises(ValueError, match=r"logits_to_keep 5: must be in \[1, 4\] for 5 tokens"):
+        per_token_logps(model, ids, torch.ones_like(ids), 5)

@@ -56,3 +56,15 @@ def test_an_adapter_on_a_tied_head_is_refused(tiny_model):
     with pytest.raises(ConfigError, match=r"^model.grpo.lora.target_modules: lm_head is tied to the input "
                                           r"embeddings"):
         wrap_lora(load_causal_lm(tiny_model), LoraOptions(target_modules=["q_proj", "lm_head"]), 0, GRPO_FIELDS)
+
+
+@pytest.mark.parametrize("layers", ["1-", "0-9"])
+def test_an_adapter_on_the_embeddings_or_past_the_last_layer_is_refused(tiny_model, layers):
+    """PEFT adapts an embedding with lora_embedding_A/B, which esrl's seeded init never drew (the global RNG's) and
+    whose merge a tied head does not see; '1-' read as layer 1 alone, '0-9' reaches past the 2 layers."""
+    from esrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^model.grpo.lora.target_modules: model.embed_tokens is an embedding"):
+        wrap_lora(load_causal_lm(tiny_model), LoraOptions(target_modules=["q_proj", "embed_tokens"]), 0, GRPO_FIELDS)
+    with pytest.raises((ConfigError, ValueError), match=r"no last layer|reaches past the model's 2 layers"):
+        wrap_lora(load_causal_lm(tiny_model), LoraOptions(layers=layers), 0, GRPO_FIELDS)

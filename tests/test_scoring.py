@@ -204,6 +204,14 @@ def test_device_names_are_checked_when_the_scorer_is_built(monkeypatch):
         checked_device("cuda:2", "--device")
 
 
+@pytest.mark.parametrize("options, message", [({"dtype": "float64"}, "judge dtype 'float64': choose one of"),
+                                              ({"batch_size": 0}, "judge: batch_size and max_chars must be >= 1")])
+def test_a_judges_bad_option_is_one_line_before_its_model_loads(options, message):
+    """dtype was a ValueError traceback from the loader; batch_size 0 a range() error at the first batch."""
+    with pytest.raises(ConfigError, match=f"^{message}"):
+        JudgeScorer("/no/such/judge", device="cpu", **options)
+
+
 def test_judge_scorer(tiny_model):
     judge = JudgeScorer(tiny_model, device="cpu", batch_size=3)
     rewards, costs = judge.score(PROMPTS, RESPONSES)

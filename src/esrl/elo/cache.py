@@ -17,7 +17,8 @@ class JudgmentCache:
         self.entries: dict[str, dict[str, Any]] = {}
         self.damaged = 0
         data = self.path.read_bytes() if self.path.exists() else b""
-        for line in data.decode("utf-8", errors="replace").splitlines():
+        # Lines end at b"\n" only: str.splitlines() also splits at U+2028/U+2029, which a judge's answer may hold
+        for line in (raw.decode("utf-8", errors="replace") for raw in data.split(b"\n")):
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:

@@ -55,6 +55,8 @@ def _check(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag}: must be >= {low}, got {value}")
     if args.timeout <= 0 or args.prior < 0:
         raise ConfigError("--timeout must be > 0 and --prior >= 0")
+    if len(set(args.criteria)) < len(args.criteria):  # every game went to the first copy, the second rated empty
+        raise ConfigError(f"--criteria {' '.join(args.criteria)}: a criterion given twice")
     if not args.judge_url.startswith(("http://", "https://")):
         raise ConfigError(f"--judge-url {args.judge_url!r}: expected an http(s):// URL")
     check_root_dir(args.out, "--out")  # before any judge call

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from esrl.errors import ConfigError
-from esrl.models.layers import LAYER, parse_layer_ranges
+from esrl.models.layers import LAYER, check_layers_exist, parse_layer_ranges
 
 __all__ = ["ParamSelection", "check_filter", "linear_weight_only", "param_owners", "parse_layer_ranges",
            "select_params"]
@@ -54,6 +54,7 @@ def select_params(model: torch.nn.Module, include: list[str] | None = None, excl
     inc = [re.compile(p) for p in include or []]
     exc = [re.compile(p) for p in exclude or []]
     allowed_layers = parse_layer_ranges(layers)
+    check_layers_exist(allowed_layers, model, "model.es.layers", layers)
     sel = ParamSelection([], [], [])
     for j, (name, p) in enumerate(model.named_parameters()):
         if inc and not any(r.search(name) for r in inc):

@@ -51,6 +51,8 @@ def per_token_logps(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     # when its weight is frozen (reference model, LoRA); a strided slice it would run per row (1.16-1.25x on the head
     # product on the 2-core CPU; esrl.rollout.static_decode's prefill, RESULTS session 12)
     length = input_ids.shape[1]
+    if not 0 < logits_to_keep < length:  # the first token has no position before it: arange would wrap to the last
+        raise ValueError(f"logits_to_keep {logits_to_keep}: must be in [1, {length - 1}] for {length} tokens")
     kept = torch.arange(length - logits_to_keep - 1, length, device=input_ids.device)
     out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=kept)
     logps = selective_log_softmax(out.logits[:, :-1], input_ids[:, -logits_to_keep:], temperature)

@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 
 from esrl.errors import ConfigError, require
-from esrl.models.layers import parse_layer_ranges
+from esrl.models.layers import check_layers_exist, parse_layer_ranges
 from esrl.seeding import derive_seed
 
 # One adapter as tensors: HF module name -> (lora_A (r x in), lora_B (out x r)), with the scaling in lora_B.
@@ -93,10 +93,7 @@ def wrap_lora(model: torch.nn.Module, options: LoraOptions, seed: int, fields: L
     except ImportError:
         raise ConfigError(f"{fields.switch} needs the peft package (pip install 'esrl[peft]')") from None
     layers = parse_layer_ranges(options.layers)
-    count = getattr(model.config, "num_hidden_layers", None)
-    if layers is not None and count is not None and max(layers) >= count:
-        raise ConfigError(f"{fields.layers}: {options.layers!r} reaches past the model's {count} layers "
-                          f"(0-{count - 1})")
+    check_layers_exist(layers, model, fields.layers, options.layers)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     tied = head is not None and head.weight is getattr(model.get_input_embeddings(), "weight", None)
     head_name = next((n for n, m in model.named_modules() if m is head), None) if tied else None
@@ -113,6 +110,11 @@ def wrap_lora(model: torch.nn.Module, options: LoraOptions, seed: int, fields: L
     except ValueError as e:  # e.g. "Target modules {...} not found in the base model"
         name = fields.target_modules + ("" if layers is None else f" / {fields.layers}")
         raise ConfigError(f"{name}: {e}".splitlines()[0]) from None
+    embedding = next((n for n, _ in peft_model.named_parameters() if ".lora_embedding_" in n), None)
+    if embedding is not None:  # unseeded by init_adapter, and a tied head keeps the base matrix in the merge
+        module = embedding.split(".lora_embedding_")[0].removeprefix("base_model.model.")
+        raise ConfigError(f"{fields.target_modules}: {module} is an embedding; esrl's adapters go on linear layers: "
+                          "leave it out of the targets")
     init_adapter(peft_model, seed, options.init)
     return peft_model
 

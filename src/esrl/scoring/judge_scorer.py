@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 
 from esrl.errors import ConfigError
-from esrl.models.loading import load_causal_lm, load_tokenizer
+from esrl.models.loading import DTYPES, load_causal_lm, load_tokenizer
 from esrl.needs import checked_device
 from esrl.scoring.base import Scorer
 from esrl.scoring.batches import last_token_index, pad_batch, place, position_ids
@@ -34,6 +34,10 @@ class JudgeScorer(Scorer):
                  batch_size: int = 8, max_chars: int = 2000, helpful_question: str = HELPFUL_QUESTION,
                  harmful_question: str = HARMFUL_QUESTION, template: str = JUDGE_TEMPLATE):
         super().__init__()
+        if dtype not in DTYPES:  # as ScoreModel: before any model loads, one line
+            raise ConfigError(f"judge dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+        if batch_size < 1 or max_chars < 1:
+            raise ConfigError(f"judge: batch_size and max_chars must be >= 1, got {batch_size}, {max_chars}")
         self.name = f"judge {model}"
         self.device = checked_device(device, "scorer device")
         self.tokenizer = load_tokenizer(model)

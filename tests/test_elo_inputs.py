@@ -1,0 +1,37 @@
+"""`esrl elo`'s inputs that once went wrong silently: a criterion given twice, a judge answer holding a Unicode line
+separator in the judgment cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from esrl.elo.cache import JudgmentCache
+from esrl.elo.cli import parser, run
+from esrl.errors import ConfigError
+
+
+def test_a_criterion_given_twice_is_refused(tmp_path):
+    """Every game went to the first copy and the second was rated from none: 1000 for everyone."""
+    args = parser().parse_args(["--judge-url", "http://127.0.0.1:9", "--judge-model", "judge", "--completions",
+                                str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "--out", str(tmp_path / "out"),
+                                "--criteria", "helpfulness", "helpfulness"])
+    with pytest.raises(ConfigError, match="^--criteria helpfulness helpfulness: a criterion given twice"):
+        run(args)
+    assert not (tmp_path / "out").exists()
+
+
+def test_answers_holding_unicode_line_separators_survive_the_cache(tmp_path):
+    """json.dumps(ensure_ascii=False) writes U+2028, U+2029 and U+0085 raw; str.splitlines() cut records there,
+    so each rerun asked the judge again and counted damaged lines."""
+    path = tmp_path / "judgments.jsonl"
+    cache = JudgmentCache(path)
+    answers = {"k1": "Yes\u2028really", "k2": "No\u2029", "k3": "a\x85b", "k4": "plain"}
+    for key, raw in answers.items():
+        cache.add({"key": key, "raw": raw})
+    cache.close()
+    again = JudgmentCache(path)
+    again.close()
+    assert {k: r["raw"] for k, r in again.entries.items()} == answers and again.damaged == 0
+    assert len(path.read_bytes().split(b"\n")) == len(answers) + 1 and json.loads(path.read_text().split("\n")[0])
