@@ -85,3 +85,40 @@ def test_a_bad_grid_value_is_one_line_naming_its_run_before_any_run(config, tmp_
     out = run_esrl("sweep", "--config", config, "--out", tmp_path / "sweep", "--grid", grid, "--dry-run")
     assert refused(out, tmp_path).startswith("esrl sweep: error: " + message), out.stderr
     assert len(out.stdout.splitlines()) == 2 and all(" fit --config " in line for line in out.stdout.splitlines())
+
+
+def test_a_signal_reaches_the_running_fit_no_later_run_starts_and_the_tool_exits_with_its_code(tmp_path):
+    """esrl.fit_runs, which sweep and study share: subprocess.run in a worker thread kept the fit out of the
+    signal's reach and the tool waited for it. A child standing in for a fit records the SIGTERM it gets."""
+    import os
+    import signal
+    import sys
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from esrl.fit_runs import Fits, signals_reach
+
+    child = ("import pathlib, signal, sys, time\n"
+             "signal.signal(signal.SIGTERM, lambda *a: (pathlib.Path(sys.argv[1]).write_text('SIGTERM'), sys.exit(143)))\n"
+             "time.sleep(60)\n")
+    runs = [tmp_path / "a", tmp_path / "b"]
+    fits, before = Fits(), signal.getsignal(signal.SIGTERM)
+
+    def signal_once_running():
+        deadline = time.monotonic() + 30
+        while not fits.running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # the child's handler is set
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=signal_once_running, daemon=True).start()
+    with pytest.raises(SystemExit) as stopped, signals_reach(fits):
+        with fits.under_way(), ThreadPoolExecutor(1) as pool:
+            codes = list(pool.map(lambda root: fits.run([sys.executable, "-c", child, str(root / "got")], root),
+                                  runs))
+        fits.exit_if_stopped("sweep", [r.name for r, rc in zip(runs, codes) if rc != 0])
+    assert stopped.value.code == 143 and codes == [143, None]
+    assert (runs[0] / "got").read_text() == "SIGTERM" and (runs[0] / "returncode").read_text() == "143\n"
+    assert not (runs[1] / "returncode").exists()  # never started
+    assert signal.getsignal(signal.SIGTERM) is before  # the tool's handler is gone with it

@@ -2,8 +2,9 @@
 the file instead of a traceback from deep inside torch.load after minutes of model loading.
 
 The check is cheap whatever the checkpoint's size: torch.save writes a zip archive, and a zip's directory sits
-at its end, so reading the directory (not the tensors) finds a truncated file. Lightning's special values
-("last", "best", "hpc", "registry...") and remote URLs are left to Lightning; a DeepSpeed checkpoint is a folder.
+at its end, so reading the directory (not the tensors) finds a truncated file. `last` is resolved here first
+(resolve_last: Lightning's own looks only in the fit's new version folder and finds nothing); its other special
+values ("best", "hpc", "registry...") and remote URLs are left to Lightning; a DeepSpeed checkpoint is a folder.
 Corrupt records inside a valid zip are found by esrl.resume's memory-mapped read. Also here: a
 `trainer.default_root_dir` that cannot be a folder (below a file), named in one line before anything is written.
 """
@@ -11,11 +12,50 @@ Corrupt records inside a valid zip are found by esrl.resume's memory-mapped read
 from __future__ import annotations
 
 import zipfile
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from esrl.errors import ConfigError, DataError
 
 _LIGHTNING_NAMES = ("last", "best", "hpc")
+RESUMABLE = ("interrupted.ckpt", "last.ckpt")
+"""What a run folder resumes from: esrl's checkpoint on a signal (esrl.callbacks.interruption), ModelCheckpoint's
+save_last."""
+
+
+def run_checkpoints(root: str | Path) -> list[Path]:
+    """A run root's RESUMABLE checkpoints, in each lightning_logs/version_N/checkpoints/ (where both are saved)."""
+    folders = Path(root).expanduser().glob("lightning_logs/version_*/checkpoints")
+    return [folder / name for folder in folders for name in RESUMABLE if (folder / name).is_file()]
+
+
+def newest_checkpoint(paths: Iterable[Path]) -> Path | None:
+    """The newest file by modification time (a tie: the first name), the pick of slurm/fit.sbatch's `ls -t` and of
+    Lightning's own `last`, so that every resume (esrl study, fit.sbatch, --ckpt_path last) takes the same one."""
+    found = []
+    for path in paths:
+        try:
+            found.append((-path.stat().st_mtime_ns, str(path), path))
+        except FileNotFoundError:  # removed meanwhile (a run finishing spends its interrupted.ckpt)
+            continue
+    return min(found)[2] if found else None
+
+
+def resolve_last(trainer: dict[str, Any]) -> str:
+    """`--ckpt_path last` as the newest of the run root's run_checkpoints and of a ModelCheckpoint dirpath's
+    last*.ckpt: Lightning's own looks in this fit's new version folder (a new one each fit), found nothing and
+    trained from step 0 with a warning and exit 0. `trainer`: the parsed trainer section."""
+    root = Path(trainer.get("default_root_dir") or "runs")  # esrl.cli's loggers' save_dir
+    dirs = [str(cb["init_args"]["dirpath"]) for cb in trainer.get("callbacks") or []
+            if isinstance(cb, dict) and str(cb.get("class_path", "")).endswith("ModelCheckpoint")
+            and (cb.get("init_args") or {}).get("dirpath")]
+    found = newest_checkpoint([*run_checkpoints(root), *(p for d in dirs for p in Path(d).glob("last*.ckpt"))])
+    if found is None:
+        raise DataError(f"--ckpt_path last: no checkpoint to resume in {root}/lightning_logs/version_*/checkpoints "
+                        f"(last.ckpt or interrupted.ckpt){''.join(f' or {d}/last*.ckpt' for d in dirs)}; give a "
+                        "checkpoint file, or start without --ckpt_path")
+    return str(found)
 
 
 def check_ckpt_path(ckpt_path: str | Path | None) -> None:

@@ -21,7 +21,7 @@ from torch.optim.lr_scheduler import LRScheduler
 import esrl.es.strategy  # noqa: F401  registers the `es` strategy
 from esrl.callbacks import interruption
 from esrl.callbacks.interruption import EXIT_CODES
-from esrl.checkpoints import check_ckpt_path, check_root_dir
+from esrl.checkpoints import check_ckpt_path, check_root_dir, resolve_last
 from esrl.data import PromptDataModule
 from esrl.config_files import MODE as CONFIG_MODE
 from esrl.errors import ConfigError, EsrlError
@@ -49,12 +49,14 @@ class EsrlCLI(LightningCLI):
         return super().init_parser(**kwargs)
 
     def parse_arguments(self, parser, args) -> None:
-        """Then --ckpt_path checked (esrl.checkpoints), before LightningCLI reads its hyperparameters with
-        torch.load: a missing, truncated or garbage file is one line naming it."""
+        """Then --ckpt_path checked (esrl.checkpoints; `last`: the run root's newest checkpoint), before LightningCLI
+        reads its hyperparameters with torch.load: a missing, truncated or garbage file is one line naming it."""
         super().parse_arguments(parser, args)
         self._resume = None
         if self.config.get("subcommand"):
             config = self.config[self.config.subcommand]
+            if config.get("ckpt_path") == "last":  # the run root's newest, not Lightning's (esrl.checkpoints)
+                config.ckpt_path = resolve_last(config.trainer.as_dict())
             check_ckpt_path(config.get("ckpt_path"))
             # What the user gave vs the checkpoint's settings (esrl.resume): conflicts stop here, in one line.
             ckpt = load_for_plan(config.ckpt_path) if config.get("ckpt_path") else None

@@ -5,8 +5,8 @@ LightningCLI restores the model's hyperparameters from the checkpoint over the p
 `--model.es.alpha` or `--model.policy.name_or_path` would be replaced without a word. The rule, field by field:
 
 - equal to the checkpoint's value: nothing to say;
-- left at its default and not written by the user (no flag, no key in a --config file): the checkpoint's value is
-  used (resuming needs no config but the checkpoint);
+- left at its default and not written by the user (no flag, no key in a --config / -c file or a global config's
+  `fit:` section): the checkpoint's value is used (resuming needs no config but the checkpoint);
 - given and different, a field in MAY_CHANGE (speed or bookkeeping, not what is trained): the given value wins;
 - given and different, any other field: the run stops with one line listing each such field and both values.
 
@@ -32,6 +32,7 @@ MAY_CHANGE = frozenset({
     "model.grpo.gradient_checkpointing", "data.eval_batch_size",
 })
 _DATA_FIELDS = ("task", "task_args", "prompts_per_step", "shuffle", "seed", "eval_batch_size")
+SUBCOMMANDS = ("fit", "validate", "test")
 
 
 def _flat(tree: dict[str, Any], prefix: str) -> dict[str, Any]:
@@ -62,28 +63,48 @@ def _data_defaults() -> dict[str, Any]:
     return {f"data.{k}": params[k].default for k in _DATA_FIELDS}
 
 
-def explicit_fields(args: list[str]) -> frozenset[str]:
-    """Every field the user wrote: a `--model.es.alpha` flag or a key in a `--config` file (and their parent
-    sections), so a value typed equal to the default still counts as given."""
+def _config_file(args: list[str], i: int) -> str | None:
+    """The file (or inline YAML) of a config option at args[i] in any of LightningCLI's forms (`--config F`,
+    `--config=F`, `-c F`, `-c=F`, `-cF`), else None."""
+    arg = args[i]
+    for flag in ("--config", "-c"):
+        if arg == flag:
+            return args[i + 1] if i + 1 < len(args) else ""
+        if arg.startswith(flag + "="):
+            return arg[len(flag) + 1:]
+    return arg[2:] if arg.startswith("-c") else None
+
+
+def _written_in(source: str, section: str | None) -> set[str]:
+    """The model and data fields, seed_everything and algo that a config writes; `section`: a global config's
+    (`esrl --config G.yaml fit`) section for the subcommand (`fit:`), which is what it gives the subcommand."""
     import yaml
 
+    try:
+        path = Path(source).expanduser()
+        tree = yaml.safe_load(path.read_text() if path.is_file() else source) or {}
+    except (OSError, ValueError, yaml.YAMLError):
+        return set()  # the parser reported a bad config file already
+    if section is not None:
+        tree = tree.get(section) if isinstance(tree, dict) else None
+    if not isinstance(tree, dict):
+        return set()
+    written = {f for key in ("model", "data") if isinstance(tree.get(key), dict) for f in _flat(tree[key], key)}
+    return written | {key for key in ("seed_everything", "algo") if key in tree}
+
+
+def explicit_fields(args: list[str]) -> frozenset[str]:
+    """Every field the user wrote: a `--model.es.alpha` flag or a key in a config file (--config or -c, after the
+    subcommand or as a global config's section before it), and their parent sections, so a value typed equal to
+    the default still counts as given."""
+    command = next((i for i, arg in enumerate(args) if arg in SUBCOMMANDS), len(args))
     written: set[str] = set()
     for i, arg in enumerate(args):
-        if not arg.startswith("--"):
-            continue
-        name, _, value = arg[2:].partition("=")
-        if name == "config":
-            value = value or (args[i + 1] if i + 1 < len(args) else "")
-            try:
-                tree = yaml.safe_load(Path(value).expanduser().read_text()) or {}
-            except (OSError, yaml.YAMLError):
-                continue  # the parser reported a bad config file already
-            if isinstance(tree, dict):
-                written.update(f for key in ("model", "data") if isinstance(tree.get(key), dict)
-                               for f in _flat(tree[key], key))
-                written.update(key for key in ("seed_everything", "algo") if key in tree)
-        else:
-            written.add(name)
+        source = _config_file(args, i)
+        if source is not None:
+            written |= _written_in(source, args[command] if i < command < len(args) else None)
+        elif arg.startswith("--"):
+            written.add(arg[2:].partition("=")[0])
     return frozenset(".".join(f.split(".")[:n]) for f in written for n in range(1, f.count(".") + 2))
 
 
@@ -170,7 +191,7 @@ def plan_resume(ckpt_path: str, ckpt: dict[str, Any], config: dict[str, Any], se
 
 def load_for_plan(ckpt_path: str) -> dict[str, Any] | None:
     """The checkpoint's small entries (memory-mapped: its tensors are not read); None for what Lightning resolves
-    itself (last, hpc, registry, URLs) or a DeepSpeed folder."""
+    itself (hpc, registry, URLs; `last` is esrl.checkpoints.resolve_last's) or a DeepSpeed folder."""
     import torch
 
     from esrl.errors import DataError

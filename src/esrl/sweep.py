@@ -23,15 +23,15 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from esrl.checkpoints import check_root_dir
-from esrl.fit_check import check_fit_args
 from esrl.errors import EsrlError
+from esrl.fit_check import check_fit_args
+from esrl.fit_runs import Fits, signals_reach
 
 # A final evaluation tripping any of these is flagged hacked/degenerate (hacking/* keys of eval.jsonl).
 HACK_THRESHOLDS = {"empty": 0.5, "repetition": 0.5, "cjk_share": 0.3, "special_tokens": 0.5}
@@ -114,21 +114,11 @@ def fit_command(config: str, combo: dict[str, str], root: Path, extra: list[str]
     return [sys.executable, "-m", "esrl", "fit", *fit_args(config, combo, root, extra)]
 
 
-def run_one(config: str, combo: dict[str, str], out: Path, extra: list[str]) -> int:
+def run_one(config: str, combo: dict[str, str], out: Path, extra: list[str], fits: Fits) -> int:
+    """One combination's fit (esrl.fit_runs: ROOT/fit.log, ROOT/returncode); -1: not started, the sweep stopped."""
     root = out / run_name(combo)
-    return run_fit(fit_command(config, combo, root, extra), root)
-
-
-def run_fit(cmd: list[str], root: Path, append: bool = False) -> int:
-    """Run one fit command in its own process, its output in ROOT/fit.log (appended to on a resume) and its exit
-    status in ROOT/returncode (also `esrl study`'s runner)."""
-    root.mkdir(parents=True, exist_ok=True)
-    with (root / "fit.log").open("a" if append else "w") as log:
-        log.write("$ " + " ".join(cmd) + "\n")
-        log.flush()
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
-    (root / "returncode").write_text(f"{rc}\n")
-    return rc
+    rc = fits.run(fit_command(config, combo, root, extra), root)
+    return -1 if rc is None else rc
 
 
 def latest_run_dir(root: Path) -> Path | None:
@@ -218,6 +208,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    """SIGTERM and Ctrl+C reach the running fits (esrl.fit_runs): each stops with interrupted.ckpt, the sweep with
+    143 / 130."""
+    fits = Fits()
+    with signals_reach(fits):
+        return _main(argv, fits)
+
+
+def _main(argv: list[str] | None, fits: Fits) -> list[dict[str, Any]]:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
     if "--" in argv:
@@ -260,8 +258,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                                                "runs": [run_name(c) for c in combos]}, indent=2) + "\n")
     failed = []
     if not args.summarize:
-        with ThreadPoolExecutor(args.jobs) as pool:
-            codes = list(pool.map(lambda c: run_one(args.config, c, out, extra), todo))
+        with fits.under_way(), ThreadPoolExecutor(args.jobs) as pool:
+            codes = list(pool.map(lambda c: run_one(args.config, c, out, extra, fits), todo))
+        fits.exit_if_stopped("sweep", [run_name(c) for c, rc in zip(todo, codes) if rc != 0])
         for combo, rc in zip(todo, codes):
             print(f"esrl sweep: {run_name(combo)}: {'ok' if rc == 0 else f'failed (exit {rc})'}", flush=True)
             if rc != 0:

@@ -6,6 +6,7 @@
     esrl study STUDY.yaml --report                           # the report from the runs there, runs nothing
 
 A rerun skips finished runs (those with a final/) and resumes interrupted ones from their last checkpoint.
+SIGTERM or Ctrl+C stops the running fits after their step with interrupted.ckpt and the study with exit 143 / 130.
 On SLURM (slurm/sweep.sbatch with ESRL_TOOL=study; the last task to finish writes the report):
     ESRL_TOOL=study sbatch --array=0-$(( $(esrl study S.yaml --count) - 1 )) slurm/sweep.sbatch S.yaml OUT
 """
@@ -13,9 +14,7 @@ On SLURM (slurm/sweep.sbatch with ESRL_TOOL=study; the last task to finish write
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-import threading
 import time
 from typing import Any
 
@@ -23,6 +22,7 @@ import yaml
 
 from esrl.errors import EsrlError
 from esrl.fit_check import check_fit_args
+from esrl.fit_runs import Fits, signals_reach
 from esrl.study.config import load_study
 from esrl.study.runner import fit_line, plan, resolved_config, run_all, status
 
@@ -49,17 +49,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> Any:
-    # SIGTERM (kill, SLURM's time limit) as an exception: subprocess.run then kills the running fit with the study.
-    if threading.current_thread() is not threading.main_thread():
-        return _main(argv)
-    before = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    try:
-        return _main(argv)
-    finally:
-        signal.signal(signal.SIGTERM, before)
+    """SIGTERM (kill, SLURM's time limit) and SIGINT (Ctrl+C): passed on to the running fits (esrl.fit_runs), the
+    study exits 143 / 130 once they stopped; before any run started, at once."""
+    fits = Fits()
+    with signals_reach(fits):
+        return _main(argv, fits)
 
 
-def _main(argv: list[str] | None) -> Any:
+def _main(argv: list[str] | None, fits: Fits) -> Any:
     start = time.perf_counter()
     args = parser().parse_args(argv)
     path = args.config or args.study
@@ -86,7 +83,8 @@ def _main(argv: list[str] | None) -> Any:
         if problem is not None:
             raise problem
         return runs
-    failed = [] if (args.report or args.summarize) else run_all(study, todo, args.jobs)
+    failed = [] if (args.report or args.summarize) else run_all(study, todo, args.jobs, fits)
+    fits.exit_if_stopped("study", [r.name for r in failed])
     if args.index is not None:
         if failed:
             raise StudyError(f"run {failed[0].name} failed; see {failed[0].root / 'fit.log'}")

@@ -1,9 +1,10 @@
 """Every (algorithm, grid point, seed) of a study as its own `esrl fit`, locally one after another or one per
-SLURM array task, each in OUT/runs/<run>/ through `esrl sweep`'s runner (fit.log, returncode).
+SLURM array task, each in OUT/runs/<run>/ as `esrl sweep` runs one (fit.log, returncode).
 
 Each run gets its resolved fit config (OUT/runs/<run>/config.yaml: the base config, the study's overrides, the
 algorithm's, the grid point's, its seed and algo). Resumable: a run with a final/ is skipped; an interrupted one
-resumes from its newest checkpoint (`--ckpt_path`, when the study checkpoints), else starts again.
+resumes from its newest checkpoint (`--ckpt_path`: the study's periodic ones, or the interrupted.ckpt a signal
+saved), else starts again. A signal to the study reaches its running fits (esrl.fit_runs).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from typing import Any
 
 import yaml
 
+from esrl.checkpoints import newest_checkpoint, run_checkpoints
+from esrl.fit_runs import Fits
 from esrl.study.config import AlgorithmSpec, StudyConfig, set_key
-from esrl.sweep import fit_command, run_fit, run_name
+from esrl.sweep import fit_command, run_name
 
 
 @dataclass
@@ -106,8 +109,9 @@ def final_dir(root: Path) -> Path | None:
 
 
 def last_checkpoint(root: Path) -> Path | None:
-    ckpts = list((root / "checkpoints").glob("*.ckpt")) if (root / "checkpoints").is_dir() else []
-    return max(ckpts, key=lambda p: p.stat().st_mtime) if ckpts else None
+    """The newest of the study's periodic checkpoints (checkpoints/) and the fit's own (a signal's interrupted.ckpt
+    in lightning_logs/version_N/checkpoints/), picked as slurm/fit.sbatch and `--ckpt_path last` pick."""
+    return newest_checkpoint([*root.glob("checkpoints/*.ckpt"), *run_checkpoints(root)])
 
 
 def status(run: Run) -> str:
@@ -121,12 +125,16 @@ def status(run: Run) -> str:
     return "new"
 
 
-def run_one(study: StudyConfig, run: Run, position: str = "") -> int:
-    """Fit one run unless it is done; resume it from its last checkpoint when it has one. Returns the exit status."""
+def run_one(study: StudyConfig, run: Run, position: str = "", fits: Fits | None = None) -> int:
+    """Fit one run unless it is done; resume it from its last checkpoint when it has one. Returns the exit status
+    (-1: not started, the study was stopped)."""
+    fits = fits or Fits()
     state = status(run)
     if state == "done":
         print(f"esrl study: {position}{run.name}: done (final/ exists), skipped", flush=True)
         return 0
+    if fits.signal:
+        return -1
     run.root.mkdir(parents=True, exist_ok=True)
     config_path = run.root / "config.yaml"
     config_path.write_text(yaml.safe_dump(resolved_config(study, run), sort_keys=False))
@@ -134,8 +142,16 @@ def run_one(study: StudyConfig, run: Run, position: str = "") -> int:
     extra = ["--ckpt_path", str(ckpt)] if ckpt is not None else []
     print(f"esrl study: {position}{run.name}: " + (f"resuming from {ckpt.name}" if ckpt else "running"), flush=True)
     start = time.perf_counter()
-    rc = run_fit(fit_command(str(config_path), {}, run.root, extra), run.root, append=state != "new")
+    rc = fits.run(fit_command(str(config_path), {}, run.root, extra), run.root, append=state != "new")
     took = time.perf_counter() - start
+    if rc is None:
+        return -1
+    if rc != 0 and fits.signal:
+        ckpt = last_checkpoint(run.root)
+        print(f"esrl study: {position}{run.name}: interrupted by {fits.signal} (exit {rc}, {took:.0f} s); "
+              + (f"a rerun resumes it from {ckpt.name}" if ckpt else "no checkpoint yet, a rerun starts it again"),
+              flush=True)
+        return rc
     if rc == 0 and final_dir(run.root) is not None and not study.keep_checkpoints:
         shutil.rmtree(run.root / "checkpoints", ignore_errors=True)
     print(f"esrl study: {position}{run.name}: " + (f"ok ({took:.0f} s)" if rc == 0 else
@@ -144,9 +160,10 @@ def run_one(study: StudyConfig, run: Run, position: str = "") -> int:
     return rc
 
 
-def run_all(study: StudyConfig, runs: list[Run], jobs: int = 1) -> list[Run]:
+def run_all(study: StudyConfig, runs: list[Run], jobs: int = 1, fits: Fits | None = None) -> list[Run]:
     """Fit the given runs, `jobs` at a time (as `esrl sweep --jobs`; default one after another); returns those
-    that failed."""
-    with ThreadPoolExecutor(max(1, jobs)) as pool:
-        codes = list(pool.map(lambda ir: run_one(study, ir[1], f"[{ir[0] + 1}/{len(runs)}] "), enumerate(runs)))
+    that failed or were stopped (`fits`: where a signal handler reaches them, esrl.study.cli)."""
+    fits = fits or Fits()
+    with fits.under_way(), ThreadPoolExecutor(max(1, jobs)) as pool:
+        codes = list(pool.map(lambda ir: run_one(study, ir[1], f"[{ir[0] + 1}/{len(runs)}] ", fits), enumerate(runs)))
     return [run for run, rc in zip(runs, codes) if rc != 0]
