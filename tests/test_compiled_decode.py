@@ -79,6 +79,39 @@ def test_static_population_is_in_the_compiled_graph_and_refills_per_chunk(setup)
     assert all(p.grad is None for p in model.parameters()) and torch.is_grad_enabled()
 
 
+def population_chunks_of_equal_rows(model, engine, device_eager=None):
+    """4 members x 4 prompts, then 8 members x 2 prompts (an epoch's smaller last batch): 16 rows each, one shape.
+    Each chunk's tokens from `engine` and from the eager per-chunk hooks, and the member counts of its decoders."""
+    from esrl.es.engines import InPlaceES
+
+    cfg = ESConfig(mode="lowrank", sigma=0.05, rank=2)
+    selection, spec = build_selection(model, cfg)
+    mode = get_mode("lowrank")
+    backend = InPlaceES(engine, model, selection, spec, mode)
+    eager = device_eager or HFEngine(model, engine.tokenizer, compile="off")
+    prompts = ["Hi", "Tell me a story", "red dyes", "List prime numbers"]
+    out = []
+    for members, rows in ((population(2, 0, 4), prompts), (population(2, 1, 8), prompts[:2])):
+        want = eager.generate_population(
+            rows, len(members), lambda rm, c=members: mode.population(model, selection, spec, c, rm),
+            max_new_tokens=NEW, min_new_tokens=NEW)
+        got = engine.generate_population(rows, len(members), backend.row_weights(members), max_new_tokens=NEW,
+                                         min_new_tokens=NEW)
+        out.append(([_tokens(m) for m in got], [_tokens(m) for m in want]))
+    backend.static.remove()
+    return out, sorted(k.members for k in engine._decoders)
+
+
+def test_chunks_of_other_member_counts_and_equal_rows_take_their_own_decoders(setup):
+    """A recorded step reads the population's buffers made for its member count: one recorded for 4 members
+    replayed for 8 applied the 4-member chunk's factors to other rows (on a GPU; eagerly, as here, nothing is
+    recorded, so the decoders are counted)."""
+    model, _, _ = setup
+    chunks, counts = population_chunks_of_equal_rows(model, HFEngine(model, setup[1].tokenizer, compile="on",
+                                                                     prompt_bucket=16))
+    assert all(got == want for got, want in chunks) and counts == [4, 8]
+
+
 # The tiny model repeats a prompt's last word; these prompts give rows whose tokens change at different steps:
 # '?? dyes dyes ...', 'rlrlrl...', ' story story storyJDJD...', ' dyes dyes ...', ' numbers x4 then UNCT ...'.
 MIXED = ["What is 2+2?", "Hi", "Tell me a story", "red dyes", "List prime numbers"]

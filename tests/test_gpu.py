@@ -317,6 +317,30 @@ def test_a_decode_steps_terms_on_a_side_stream_give_the_in_place_kernels_logits_
     assert not torch.equal(side, out["base"])
 
 
+def test_a_chunk_replays_the_step_recorded_for_its_own_member_count(tmp_path):
+    """8 members x 2 prompts after 4 x 4 (16 rows each, as an epoch's smaller last batch): the same tokens as the
+    8-member chunk alone. The step recorded for 4 members, replayed for 8, read the 4-member chunk's buffers."""
+    from esrl.es import get_mode, population
+    from esrl.es.engines import InPlaceES
+    from esrl.rollout import HFEngine
+
+    tok, policy, selection, spec = _es_policy(_random_qwen(tmp_path / "bf16"), "lowrank", "bfloat16")
+    prompts = ["Hi", "Tell me a story", "red dyes", "List prime numbers"]
+    four, eight = (population(4, 0, 4), prompts), (population(4, 1, 8), prompts[:2])
+
+    def tokens(chunks):
+        engine = HFEngine(policy, tok, compile="on")
+        backend = InPlaceES(engine, policy, selection, spec, get_mode("lowrank"))
+        out = [[[c.token_ids for c in m] for m in engine.generate_population(
+            rows, len(members), backend.row_weights(members), max_new_tokens=40, min_new_tokens=40)]
+            for members, rows in chunks]
+        assert len(engine._decoders) == len(chunks)
+        backend.static.remove()
+        return out
+
+    assert tokens([four, eight])[1] == tokens([eight])[0]
+
+
 @pytest.mark.parametrize("switch,dtype", [("terms_inside", "float32"), ("overlap", "bfloat16")])
 @pytest.mark.parametrize("mode", ["lowrank", "lora"])
 def test_a_recorded_decode_with_another_terms_path_gives_the_kernels_tokens(tmp_path, mode, switch, dtype,

@@ -100,7 +100,7 @@ def main() -> None:
         if static is not None:
             static.load(members)
             context = static.population(row_member)
-        key = DecodeKey(args.rows, args.prompt, args.new_tokens, False, False, static is not None,
+        key = DecodeKey(args.rows, args.prompt, args.new_tokens, False, False, len(members) if static is not None else 0,
                         module_context(model))
         dec = StaticDecoder(model, key, eos_token_ids=[0], pad_token_id=0, attention=rollout_attention)
         with context:

@@ -121,7 +121,7 @@ class HFEngine(RolloutEngine):
         row_member = torch.arange(num_members).repeat_interleave(n_prompts)
         with row_weights(row_member):
             flat = self._generate_chunk(texts * num_members, max_new_tokens, True, 1.0, 1.0, list(stop), 1,
-                                        min_new_tokens, population=True)
+                                        min_new_tokens, members=num_members)
         return [flat[i * n_prompts:(i + 1) * n_prompts] for i in range(num_members)]
 
     def _rendered(self, prompts: Sequence[Prompt], max_new_tokens: int) -> list[str]:
@@ -132,13 +132,13 @@ class HFEngine(RolloutEngine):
         return texts
 
     def _decoder(self, rows: int, prompt_len: int, new_tokens: int, greedy: bool, top_p: float,
-                 population: bool) -> StaticDecoder:
+                 members: int) -> StaticDecoder:
         """The StaticDecoder of this shape and sampling kind, recorded anew if hooks or weight storage changed
         (a population's hooks act only inside generate_population, so its steps are recorded apart)."""
         recorded = self.compiled  # else eager steps: nothing baked in, one decoder (its cache) kept at a time
         context = module_context(self.model) if recorded else ("eager", self.model.device, self.model.dtype)
         key = DecodeKey(rows, prompt_len, new_tokens, not greedy, not greedy and top_p < 1.0,
-                        population and recorded, context)
+                        members if recorded else 0, context)
         decoder = self._decoders.pop(key, None)
         if decoder is None:
             stale = [k for k in self._decoders if k.context != key.context]
@@ -153,7 +153,7 @@ class HFEngine(RolloutEngine):
         return decoder
 
     def _generate_chunk(self, texts, max_new_tokens, greedy, temperature, top_p, stop, n,
-                        min_new_tokens=None, population=False) -> list[Completion]:
+                        min_new_tokens=None, members=0) -> list[Completion]:
         tok = self.tokenizer
         supported = supports_static_decode(self.model)
         compiled = self.compiled and supported
@@ -173,7 +173,7 @@ class HFEngine(RolloutEngine):
                 if n > 1:
                     ids, mask = ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0)
                 shape = (ids.shape[0], ids.shape[1], max_new_tokens)
-                decoder = self._decoder(*shape, greedy, top_p, population)
+                decoder = self._decoder(*shape, greedy, top_p, members)
                 first = decoder.calls == 0
                 new = decoder.generate(ids, mask, temperature=temperature, top_p=top_p,
                                        min_new_tokens=min_new_tokens or 0).tolist()

@@ -36,7 +36,9 @@ class DecodeKey:
     new_tokens: int
     sampled: bool
     top_p: bool
-    population: bool
+    members: int
+    """An ES population's member count (0: none): its hooks read buffers made per count (esrl.es.static_population),
+    and a chunk of 4 members x 4 prompts has the rows of 8 x 2 (a smaller last batch of an epoch)."""
     context: tuple
 
 
