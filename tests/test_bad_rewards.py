@@ -85,6 +85,43 @@ def test_numpy_and_torch_scalars_are_numbers():
     assert task.rewards(task.train_rows, ["x", "y"]) == [0.5, 2.0]
 
 
+def test_async_reward_functions_are_awaited_as_trl_awaits_them():
+    """TRL takes async reward functions (trl's is_async_callable: `async def`, a partial of one, an object with an async
+    __call__) and awaits them; so does Task.rewards, for ES and GRPO alike (it crashed on the coroutine): values,
+    None, non-finite values and errors as a sync function's, on one event loop from call to call (a client bound to
+    it lives on), also for metric functions."""
+    import asyncio
+    import functools
+
+    from trl.trainer.utils import is_async_callable
+
+    loops = []
+
+    async def length(prompts, completions, scale=1.0, **kw):
+        await asyncio.sleep(0)
+        loops.append(asyncio.get_running_loop())
+        return [scale * len(c) for c in completions]
+
+    class Judge:
+        async def __call__(self, prompts, completions, **kw):
+            return [None, INF]
+
+    async def judge_down(prompts, completions, **kw):
+        raise ValueError("503")
+
+    funcs = [length, functools.partial(length, scale=2.0), Judge()]
+    assert all(is_async_callable(f) for f in funcs)
+    task = _task(*funcs)
+    for _ in range(2):
+        out = task.rewards(task.train_rows, ["xy", "xyz"])
+        assert out[0] == 6.0 and math.isnan(out[1]) and list(task.last_bad.values()) == [1]
+    assert len(loops) == 4 and len(set(loops)) == 1
+    task.metric_funcs = {"length": length}
+    assert task.metrics(task.train_rows, ["x", "yz"]) == {"length": [1.0, 2.0]}
+    with pytest.raises(RewardError, match=r"^reward function judge_down raised ValueError: 503$"):
+        _task(judge_down).rewards(task.train_rows, ["x", "y"])
+
+
 def test_a_non_finite_es_update_is_refused_and_leaves_weights_unchanged():
     model = torch.nn.Linear(3, 2)
     before = [p.detach().clone() for p in model.parameters()]

@@ -9,6 +9,7 @@ no hub.
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 
 import pytest
@@ -211,3 +212,77 @@ def test_advantages_match_trl(tiny_dir: Path, tmp_path: Path, scale: str) -> Non
     ours = group_advantages(torch.tensor([float("nan") if r is None else r for r in rewards]), G, scale)
     assert torch.allclose(ours, out["advantages"], atol=1e-6, rtol=0), (ours, out["advantages"])
     assert torch.isfinite(ours).all() and ours[1] == 0 and torch.all(ours[G:] == 0)
+
+
+@pytest.mark.parametrize("empty_second", [False, True], ids=["tokens", "no_tokens"])
+def test_a_steps_loss_metrics_are_trls_log_over_its_micro_batches(tiny_dir: Path, tmp_path: Path,
+                                                                  empty_second: bool) -> None:
+    """An optimizer step of two micro-batches: TRL records each loss metric once a micro-batch and its own log()
+    averages them, NaNs left out. esrl's loss_metrics logs those numbers: clip_ratio/low_min and high_max are not the
+    min / max over micro-batches, and a micro-batch without loss tokens (every completion masked: NaN there) does not
+    make them NaN."""
+    from esrl.grpo.step_metrics import loss_metrics
+
+    trainer = _trainer(tiny_dir, tmp_path, _no_reward, loss_type="dapo", beta=0.04)
+    trainer.current_gradient_accumulation_steps = 2
+    policy = LlamaForCausalLM.from_pretrained(tiny_dir).train()
+    ref = copy.deepcopy(policy).eval().requires_grad_(False)
+    batch = _batch(tiny_dir)
+    if empty_second:  # e.g. mask_truncated_completions with every completion of the second micro-batch truncated
+        batch["completion_mask"][len(REWARDS) // 2:] = 0
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    attn = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    advantages = group_advantages(REWARDS, G)
+    noise = 0.5 * torch.randn(ids.shape[0], T, generator=torch.Generator().manual_seed(3))
+    stats = []
+    for rows in (slice(0, G), slice(G, 2 * G)):  # one prompt's G completions a micro-batch
+        part = {k: v[rows] for k, v in batch.items()}
+        with torch.no_grad():
+            current, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids[rows], attn[rows], T)
+            ref_trl, _, _ = trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids[rows], attn[rows], T)
+        trainer.compute_loss(trainer.model, {**part, "advantages": advantages[rows], "ref_per_token_logps": ref_trl,
+                                             "old_per_token_logps": current + noise[rows],
+                                             "num_items_in_batch": batch["completion_mask"].sum()})
+        logps, entropies = per_token_logps(policy, ids[rows], attn[rows], T, TEMPERATURE, True)
+        with torch.no_grad():
+            ref_ours = per_token_logps(ref, ids[rows], attn[rows], T, temperature=TEMPERATURE)
+        _, mb_stats = GRPOLoss(beta=0.04, loss_type="dapo")(logps, logps.detach() + noise[rows], advantages[rows],
+                                                             part["completion_mask"], ref_per_token_logps=ref_ours,
+                                                             entropies=entropies)
+        stats.append(mb_stats)
+    recorded = {k: list(v) for k, v in trainer._metrics["train"].items()}
+    trainer.log({})  # TRL's own reduction of the step's recorded values
+    logged = trainer.state.log_history[-1]
+
+    ours = loss_metrics(stats)
+    assert {"clip_ratio/low_min", "clip_ratio/high_max", "entropy", "kl"} <= stats[0].keys()
+    for key in stats[0]:
+        assert ours[f"train/{key}"] == pytest.approx(logged[key], abs=TOL), (key, recorded[key])
+    if empty_second:
+        assert math.isnan(recorded["clip_ratio/high_max"][1])
+    else:  # the two micro-batches differ, so the min / max over them would not be TRL's number
+        assert recorded["clip_ratio/high_max"][0] != recorded["clip_ratio/high_max"][1]
+
+
+def test_a_steps_min_max_metrics_take_each_micro_batch_over_processes_first() -> None:
+    """With several processes TRL takes each micro-batch's min of mins (max of maxes, NaNs left out: trl's nanmin,
+    nanmax) over processes, then averages the micro-batches: loss_metrics does, given every process's values."""
+    from trl.trainer.utils import nanmax, nanmin
+
+    from esrl.grpo.step_metrics import loss_metrics
+
+    nan = float("nan")
+    low = torch.tensor([[0.1, nan, 0.5], [0.3, nan, 0.2]])  # [process, micro-batch]
+    high = torch.tensor([[0.9, 0.4, nan], [0.6, nan, nan]])
+    per_process = [[{"clip_ratio/low_min": low[p, k], "clip_ratio/high_max": high[p, k]} for k in range(3)]
+                   for p in range(2)]
+    sent = []  # what process 1 hands to the gather
+    loss_metrics(per_process[1], lambda local: sent.append(local) or local.unsqueeze(0))
+    ours = loss_metrics(per_process[0], lambda local: torch.stack([local, sent[0]]))
+
+    def trl_log(values: list[float]) -> float:
+        valid = [v for v in values if not math.isnan(v)]
+        return sum(valid) / len(valid)
+
+    assert ours["train/clip_ratio/low_min"] == pytest.approx(trl_log([nanmin(low[:, k]).item() for k in range(3)]))
+    assert ours["train/clip_ratio/high_max"] == pytest.approx(trl_log([nanmax(high[:, k]).item() for k in range(3)]))

@@ -14,6 +14,7 @@ nothing touches the gradients after the backwards.
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,8 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 from esrl.errors import ConfigError  # noqa: E402
 from esrl.grpo import LOSS_TYPES, GRPOConfig, GRPOLoss, group_advantages  # noqa: E402
 from esrl.grpo.loss import GLOBAL_TOKEN_LOSSES  # noqa: E402
-from esrl.grpo.importance import importance_sampling_ratio, importance_sampling_stats  # noqa: E402
+from esrl.grpo.importance import (  # noqa: E402
+    engine_correction, importance_sampling_ratio, importance_sampling_stats, sampling_stats)
 from esrl.models.logps import per_token_logps  # noqa: E402
 from esrl.rollout import EngineCapabilities  # noqa: E402
 
@@ -202,6 +204,14 @@ def test_vllm_importance_sampling_matches_trl(tiny_dir: Path, tmp_path: Path, mo
     assert not torch.allclose(ratio, raw)  # the truncation / mask changed some ratios
     stats = importance_sampling_stats(out["old_per_token_logps"], ours_sampling, mask, ratio, mode)
     for key, value in stats.items():
+        assert metrics[key] == pytest.approx(value.item(), abs=1e-5, rel=1e-5), key
+    # esrl's window of two micro-batches, each corrected with its engine log-probs (NaN where none): sampling/* once
+    # over both, as TRL over its one generation batch (not the mean of their means: other token counts)
+    parts = [engine_correction(out["old_per_token_logps"][rows], [[math.nan if x is None else x for x in logprobs]
+                                                                  for logprobs in given["logprobs"][rows]],
+                               mask[rows], mode, clip_min, 3.0) for rows in (slice(0, G), slice(G, 2 * G))]
+    assert torch.equal(torch.cat([part_ratio for part_ratio, _ in parts]), ratio)
+    for key, value in sampling_stats([values for _, values in parts]).items():
         assert metrics[key] == pytest.approx(value.item(), abs=1e-5, rel=1e-5), key
 
     trl_loss = trainer.compute_loss(trainer.model, out)

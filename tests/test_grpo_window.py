@@ -19,9 +19,10 @@ pytestmark = pytest.mark.slow
 G = 4
 
 
-def _fit(tiny_model, root, reward, scale_rewards: str = "group"):
+def _fit(tiny_model, root, reward, scale_rewards: str = "group", callbacks=(), **grpo):
     """One optimizer step of 2 micro-batches of 1 prompt (the conciseness fixture's first two) x G completions,
-    the task's reward replaced by `reward`; the module and its metrics.csv row."""
+    the task's reward replaced by `reward` (`callbacks` and model.grpo's `grpo` added); the module and its
+    metrics.csv row."""
     from esrl.callbacks import Evaluation
     from esrl.grpo.config import GRPOConfig
     from esrl.grpo.module import GRPOModule
@@ -33,12 +34,12 @@ def _fit(tiny_model, root, reward, scale_rewards: str = "group"):
             trainer.datamodule.task.reward_funcs = [reward]
 
     module = GRPOModule(PolicyConfig(name_or_path=tiny_model), RolloutConfig(max_new_tokens=6, temperature=1.0),
-                        GRPOConfig(num_generations=G, seed=1, scale_rewards=scale_rewards))
+                        GRPOConfig(num_generations=G, seed=1, scale_rewards=scale_rewards, **grpo))
     data = conciseness_data(1)
     L.Trainer(accelerator="cpu", devices=1, max_steps=1, accumulate_grad_batches=2, enable_progress_bar=False,
               enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0, default_root_dir=root,
               logger=CSVLogger(root, name="", version=""), log_every_n_steps=1,
-              callbacks=[Reward(), Evaluation(before=False, after=False)]).fit(module, datamodule=data)
+              callbacks=[Reward(), Evaluation(before=False, after=False), *callbacks]).fit(module, datamodule=data)
     with open(root / "metrics.csv") as f:
         (row,) = [r for r in csv.DictReader(f) if r.get("train/reward_mean")]
     return module, {k: float(v) for k, v in row.items() if v}
@@ -162,3 +163,60 @@ def test_the_steps_completions_are_scored_in_one_call_as_trls_generation_batch(t
     assert len(rewards) == 2 and all(len(r) == G for r in rewards)
     assert [r.rewards_per_function["length"].tolist() for r in module._rollouts] == [r.tolist() for r in rewards]
     assert math.isclose(row["train/chars"], float(torch.cat(rewards).sum()), rel_tol=1e-6)
+
+
+def _fake_sampling_logps(rows: int, width: int) -> torch.Tensor:
+    i, j = torch.arange(rows).unsqueeze(1), torch.arange(width).unsqueeze(0)
+    return -0.5 - 0.3 * ((i + j) % 4)
+
+
+def test_the_steps_sampling_and_clip_metrics_are_trls(tiny_model, tmp_path):
+    """With an engine's sampling log-probs (vLLM's importance-sampling correction; faked on the HF engine here) TRL
+    computes sampling/* once over its generation batch, not as the mean of micro-batch means; and its log() averages
+    the micro-batches' clip_ratio/low_min and high_max, NaNs left out, where esrl took their min (max) and a NaN."""
+    recorded, calls = [], []
+
+    class EngineLogprobs(L.Callback):
+        def on_fit_start(self, trainer, module):
+            module.importance_sampling = True
+            generate = module.engine.generate
+
+            def with_logprobs(*args, **kwargs):
+                completions = generate(*args, **kwargs)
+                first = not recorded and not calls
+                calls.append(len(completions))
+                for i, c in enumerate(completions):
+                    if first:  # the first micro-batch's completions shorter: other token counts than the second's
+                        c.token_ids, c.truncated = c.token_ids[:1 + i % 3], False
+                    c.logprobs = _fake_sampling_logps(i + 1, len(c.token_ids))[i].tolist()
+                return completions
+
+            def set_stats(loss_fn, args, output):  # clip_ratio/low_min: no token of the second micro-batch counted
+                k = len(recorded)
+                output[1].update({"clip_ratio/low_min": torch.tensor([0.25, math.nan][k]),
+                                  "clip_ratio/high_max": torch.tensor([0.5, 0.75][k])})
+                recorded.append(k)
+
+            module.engine.generate = with_logprobs
+            module.loss_fn.register_forward_hook(set_stats)
+
+    module, row = _fit(tiny_model, tmp_path, lambda prompts, completions, **_: [float(len(c)) for c in completions],
+                       callbacks=[EngineLogprobs()], vllm_importance_sampling_mode="token_truncate")
+    assert recorded == [0, 1] and calls == [G, G]
+    assert row["train/clip_ratio/low_min"] == 0.25 and row["train/clip_ratio/high_max"] == 0.625
+    deltas, ratios = [], []
+    for r in module._rollouts:
+        sampling = _fake_sampling_logps(*r.old_logps.shape)
+        keep = r.completion_mask.bool()
+        assert torch.allclose(r.is_ratio[keep], torch.exp(r.old_logps - sampling)[keep].clamp(max=3.0))
+        deltas.append((r.old_logps - sampling).abs()[keep])
+        ratios.append(r.is_ratio[keep])
+    assert len({len(d) for d in deltas}) == 2  # micro-batches of other token counts: their means' mean is not TRL's
+    for key, values in (("sampling_logp_difference", deltas), ("importance_sampling_ratio", ratios)):
+        whole = torch.cat(values)
+        assert math.isclose(row[f"train/sampling/{key}/mean"], float(whole.mean()), rel_tol=1e-6), key
+        assert not math.isclose(float(whole.mean()), float(torch.stack([v.mean() for v in values]).mean()),
+                                rel_tol=1e-4)
+        assert math.isclose(row[f"train/sampling/{key}/max"], float(whole.max()), rel_tol=1e-6), key
+    assert math.isclose(row["train/sampling/importance_sampling_ratio/min"], float(torch.cat(ratios).min()),
+                        rel_tol=1e-6)

@@ -9,6 +9,7 @@ without gradient): per token or per sequence (the product over its tokens), trun
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 
@@ -35,15 +36,24 @@ def importance_sampling_ratio(old_per_token_logps: torch.Tensor, sampling_per_to
 
 
 @torch.no_grad()
-def importance_sampling_stats(old_per_token_logps: torch.Tensor, sampling_per_token_logps: torch.Tensor,
-                              mask: torch.Tensor, ratio: torch.Tensor, mode: str) -> dict[str, torch.Tensor]:
-    """This process's versions of TRL's sampling metrics (TRL reduces them over processes: min of mins, mean
-    of means, max of maxes). Tokens without an engine log-prob are left out of the differences."""
+def importance_sampling_values(old_per_token_logps: torch.Tensor, sampling_per_token_logps: torch.Tensor,
+                               mask: torch.Tensor, ratio: torch.Tensor, mode: str) -> dict[str, torch.Tensor]:
+    """The values TRL's sampling metrics summarize, flat: |log pi_old - log pi_sampler| of the scored tokens (those
+    without an engine log-prob left out) and the ratios (per token, or per sequence in sequence_* modes)."""
     keep = mask.bool()
     delta = (old_per_token_logps - sampling_per_token_logps).abs()
-    delta = delta[keep & ~torch.isnan(delta)]
     flat = ratio.flatten() if mode.startswith("sequence_") else ratio[keep]
-    zero = mask.new_zeros((), dtype=old_per_token_logps.dtype)
+    return {"delta": delta[keep & ~torch.isnan(delta)], "ratio": flat}
+
+
+@torch.no_grad()
+def sampling_stats(values: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """TRL's sampling metrics on this process, once over a whole generation batch (a window's micro-batches, each
+    importance_sampling_values'), as TRL computes them; it reduces them over processes (mean of means, min of mins,
+    max of maxes). 0 where there is no value."""
+    delta = torch.cat([v["delta"] for v in values])
+    flat = torch.cat([v["ratio"] for v in values])
+    zero = delta.new_zeros(())
 
     def stat(x: torch.Tensor, fn) -> torch.Tensor:
         return fn(x) if x.numel() > 0 else zero
@@ -55,3 +65,24 @@ def importance_sampling_stats(old_per_token_logps: torch.Tensor, sampling_per_to
         "sampling/importance_sampling_ratio/mean": stat(flat, torch.mean),
         "sampling/importance_sampling_ratio/max": stat(flat, torch.max),
     }
+
+
+def importance_sampling_stats(old_per_token_logps: torch.Tensor, sampling_per_token_logps: torch.Tensor,
+                              mask: torch.Tensor, ratio: torch.Tensor, mode: str) -> dict[str, torch.Tensor]:
+    """sampling_stats of one batch."""
+    return sampling_stats([importance_sampling_values(old_per_token_logps, sampling_per_token_logps, mask, ratio,
+                                                      mode)])
+
+
+@torch.no_grad()
+def engine_correction(old_per_token_logps: torch.Tensor, engine_logprobs: Sequence[Sequence[float]],
+                      mask: torch.Tensor, mode: str, clip_min: float | None,
+                      clip_max: float | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A rollout's ratio and its sampling metrics' values (importance_sampling_values), from the engine's log-probs
+    of each completion's tokens (padded with 0 to the rollout's width)."""
+    sampling = torch.zeros_like(old_per_token_logps)
+    for i, logprobs in enumerate(engine_logprobs):
+        sampling[i, :len(logprobs)] = torch.tensor(logprobs, dtype=sampling.dtype)
+    mask = mask.to(sampling.dtype)
+    ratio = importance_sampling_ratio(old_per_token_logps, sampling, mask, mode, clip_min, clip_max)
+    return ratio, importance_sampling_values(old_per_token_logps, sampling, mask, ratio, mode)

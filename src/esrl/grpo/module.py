@@ -12,7 +12,8 @@ Read top to bottom, one step is:
 5. loss      per-token log-probs of the policy, clipped surrogate + beta * k3 KL (GRPOLoss, TRL parity)
 6. update    Lightning does backward, gradient accumulation, clipping, AdamW and the LR schedule
 
-With num_iterations = mu > 1, the rollouts of one optimizer step are kept and trained on for mu optimizer steps.
+With num_iterations = mu > 1, the rollouts of one optimizer step are kept and trained on for mu optimizer steps (and
+saved in a checkpoint taken inside those mu steps, so a resumed run trains on them as the uninterrupted one does).
 Rolling the whole window out before its first backward makes dapo/cispo/vespo's divisor (TRL's num_items_in_batch,
 the step's loss tokens on every process) known to every micro-batch's loss, so the gradient Lightning (or
 DeepSpeed) accumulates is TRL's without touching gradient buffers afterwards.
@@ -34,12 +35,12 @@ from esrl.errors import ConfigError
 from esrl.finite import check_gradient, check_weights
 from esrl.grpo.advantages import group_advantages, nanstd
 from esrl.grpo.config import GRPOConfig
-from esrl.grpo.importance import importance_sampling_ratio, importance_sampling_stats
+from esrl.grpo.importance import engine_correction
 from esrl.grpo.loss import GLOBAL_TOKEN_LOSSES, GRPOLoss
-from esrl.grpo.optim import default_adamw, default_schedule
+from esrl.grpo.optim import built, default_adamw, default_schedule
 from esrl.grpo.reference import FrozenReference
 from esrl.grpo.rollout_batch import RolloutBatch, Scores, rollout_tensors
-from esrl.grpo.step_metrics import OTHER_HOOKS, loss_metrics, rank_reduction, sample_metrics, window_samples
+from esrl.grpo.step_metrics import OTHER_HOOKS, sample_metrics, window_loss_metrics, window_samples
 from esrl.models.loading import load_causal_lm
 from esrl.models.logps import per_token_logps
 from esrl.models.lora import GRPO_FIELDS, is_peft, policy_adapter, wrap_lora
@@ -164,6 +165,8 @@ class GRPOModule(PolicyModule):
 
     def on_train_start(self) -> None:
         super().on_train_start()  # vLLM gets the adapter or a resumed run's weights after DeepSpeed's late restore
+        self._rollouts = [r.to(self.device) for r in self._rollouts]  # a resumed reuse window's (on_load_checkpoint)
+        self._num_items = None if self._num_items is None else self._num_items.to(self.device)
         if self.grpo.lora is not None or self.trainer.ckpt_path is not None:
             self.sync_engine()
 
@@ -266,24 +269,15 @@ class GRPOModule(PolicyModule):
                 rollout.old_logps = per_token_logps(self.policy, rollout.input_ids, rollout.attention_mask,
                                                     width, temperature)
             if self.importance_sampling:  # TRL's vLLM correction: pi_old / pi_engine, once per rollout
-                self._importance_sampling(rollout, completions)
+                g = self.grpo
+                rollout.is_ratio, rollout.is_values = engine_correction(
+                    rollout.old_logps, [c.logprobs for c in completions], rollout.completion_mask,
+                    g.vllm_importance_sampling_mode, g.vllm_importance_sampling_clip_min,
+                    g.vllm_importance_sampling_clip_max)
             if self.grpo.beta > 0:
                 rollout.ref_logps = self.reference_logps(rollout.input_ids, rollout.attention_mask, width,
                                                          temperature)
         return rollout
-
-    def _importance_sampling(self, rollout: RolloutBatch, completions: list[Completion]) -> None:
-        g = self.grpo
-        sampling = torch.zeros_like(rollout.old_logps)
-        for i, c in enumerate(completions):
-            sampling[i, :len(c.logprobs)] = torch.tensor(c.logprobs, dtype=sampling.dtype)
-        mask = rollout.completion_mask.to(sampling.dtype)
-        rollout.is_ratio = importance_sampling_ratio(rollout.old_logps, sampling, mask,
-                                                     g.vllm_importance_sampling_mode,
-                                                     g.vllm_importance_sampling_clip_min,
-                                                     g.vllm_importance_sampling_clip_max)
-        rollout.is_stats = importance_sampling_stats(rollout.old_logps, sampling, mask, rollout.is_ratio,
-                                                     g.vllm_importance_sampling_mode)
 
     def reference_logps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int,
                         temperature: float) -> torch.Tensor:
@@ -309,27 +303,28 @@ class GRPOModule(PolicyModule):
     # -- logging ---------------------------------------------------------------------------------------------
     def _log_step(self, rollout: RolloutBatch, stats: dict[str, torch.Tensor]) -> None:
         """Keep a micro-batch's rollout and loss stats; at its window's last, log the optimizer step's metrics over
-        all of them, as TRL over its generation batch (Lightning logs one value a step, the last it was given).
-        Loss stats: their micro-batches' mean (min, max for .../min, .../max), as TRL averages them."""
+        all of them, as TRL over its generation batch (Lightning logs one value a step, the last it was given), from
+        every process's values (step_metrics): the same on each."""
         self._window_log.append((rollout, stats))
         if not self._closes_window:
             return
         rollouts, stats = zip(*self._window_log)
         self._window_log = []
-        samples = window_samples(rollouts)
-        if self.trainer.world_size > 1:  # every process's samples, as TRL's gathered metrics: the same on each
-            samples = {k: self.all_gather(v.to(self.device)).reshape(-1).cpu() for k, v in samples.items()}
+        samples = {k: self.gathered(v).reshape(-1) for k, v in window_samples(rollouts).items()}
         metrics = sample_metrics(samples, self.grpo.num_generations)
         metrics["train/lr"] = self.trainer.optimizers[0].param_groups[0]["lr"]
+        metrics.update(window_loss_metrics(rollouts, stats, self.gathered))
+        metrics.update(self.reward_metrics([*metrics, *OTHER_HOOKS]))  # what reward functions logged
         batch_size = int(samples["rewards"].numel())
-        loss = loss_metrics([{**s, **x.is_stats} for x, s in zip(rollouts, stats)])
-        metrics.update(self.reward_metrics([*metrics, *loss, *OTHER_HOOKS]))  # what reward functions logged
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=batch_size)
-        for reduce_fx in ("mean", "min", "max"):  # over processes, as TRL: means, min of mins, max of maxes
-            self.log_dict({k: v for k, v in loss.items() if rank_reduction(k) == reduce_fx}, on_step=True,
-                          on_epoch=False, sync_dist=True, reduce_fx=reduce_fx, batch_size=batch_size)
         self.log("reward", metrics["train/reward_mean"], prog_bar=True, on_step=True, on_epoch=False, logger=False,
                  batch_size=batch_size)
+
+    def gathered(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` of every process, stacked [W, ...] on the CPU."""
+        if self.trainer.world_size == 1:
+            return values.unsqueeze(0)
+        return self.all_gather(values.to(self.device)).cpu()
 
     def on_before_optimizer_step(self, optimizer) -> None:
         if not self._closes_window:  # DeepSpeed, mid-window: no step (see training_step)
@@ -387,14 +382,16 @@ class GRPOModule(PolicyModule):
         super().on_train_batch_end(outputs, batch, batch_idx)  # compile times of the engine, once
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """num_iterations > 1, saved inside a reuse window: its rollouts (old logps included) too, so the resumed run
+        trains on them as the uninterrupted one does, instead of sampling a fresh batch."""
         super().on_save_checkpoint(checkpoint)
         checkpoint["esrl_grpo"] = {"config": asdict(self.grpo), "run_seed": self.run_seed}
+        if self.global_step % self.grpo.num_iterations and self._rollouts:
+            checkpoint["esrl_grpo_reuse"] = {"rollouts": [r.state_dict() for r in self._rollouts],
+                                             "num_items": None if self._num_items is None else self._num_items.cpu()}
 
-
-def built(flag: str, factory, *args):
-    """A command line's optimizer or schedule, built: the arguments torch refuses (a negative lr) are one line
-    naming the flag."""
-    try:
-        return factory(*args)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"{flag}: {e}") from None
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        reuse = checkpoint.get("esrl_grpo_reuse") or {"rollouts": [], "num_items": None}
+        self._rollouts = [RolloutBatch.from_state_dict(r) for r in reuse["rollouts"]]  # to the device at train start
+        self._num_items = reuse["num_items"]

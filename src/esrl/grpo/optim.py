@@ -7,6 +7,7 @@ from typing import Iterable
 
 import torch
 
+from esrl.errors import ConfigError
 from esrl.grpo.config import GRPOConfig
 
 
@@ -36,3 +37,12 @@ def default_schedule(optimizer: torch.optim.Optimizer, cfg: GRPOConfig,
         return max(0.0, (total - step) / max(1, total - warmup)) if linear else 1.0
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def built(flag: str, factory, *args):
+    """A command line's optimizer or schedule, built: the arguments torch refuses (a negative lr) are one line
+    naming the flag."""
+    try:
+        return factory(*args)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{flag}: {e}") from None

@@ -6,7 +6,8 @@ log-probs and (dapo, cispo, vespo) the loss tokens counted over every process.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 import torch
 
@@ -29,13 +30,34 @@ class RolloutBatch:
     ref_logps: torch.Tensor | None = None  # [B*G, T], only when beta > 0
     is_ratio: torch.Tensor | None = None  # [B*G, T] or [B*G, 1], vLLM importance-sampling correction only
     num_tokens: torch.Tensor | None = None  # loss tokens of this micro-batch on all ranks (dapo, cispo, vespo)
-    is_stats: dict[str, torch.Tensor] = field(default_factory=dict)  # TRL's sampling/* metrics
+    is_values: dict[str, torch.Tensor] = field(default_factory=dict)  # what TRL's sampling/* metrics summarize
     unscorable: int = 0  # completions no reward function applied to (NaN rewards that are not failures)
     rewards_per_function: dict[str, torch.Tensor] = field(default_factory=dict)  # [B*G] each, NaN where None
 
     @property
     def completion_width(self) -> int:
         return self.completion_mask.shape[1]
+
+    def to(self, device: torch.device | str) -> RolloutBatch:
+        """A copy with every tensor on `device`."""
+        return replace(self, **{f.name: _moved(getattr(self, f.name), device) for f in fields(self)})
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain tensors, dicts and ints on the CPU: a checkpoint keeps the rollouts num_iterations > 1 reuses, and
+        still loads with torch.load(weights_only=True)."""
+        return {f.name: _moved(getattr(self, f.name), "cpu") for f in fields(self)}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> RolloutBatch:
+        return cls(**state)
+
+
+def _moved(value: Any, device: torch.device | str) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _moved(v, device) for k, v in value.items()}
+    return value
 
 
 @dataclass

@@ -1,14 +1,15 @@
 """GRPO's step metrics as TRL logs them: over the optimizer step's whole window (TRL's generation batch), on every
-process's samples; the loss's statistics averaged over micro-batches and processes."""
+process's samples; the loss's statistics per micro-batch over processes, then averaged over micro-batches."""
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from esrl.grpo.advantages import nanstd
+from esrl.grpo.importance import sampling_stats
 from esrl.grpo.rollout_batch import RolloutBatch
 
 OTHER_HOOKS = ("train/loss", "train/grad_norm", "train/lambda", "train/cost_mean")
@@ -17,8 +18,8 @@ function's log_metric may not take either."""
 
 
 def rank_reduction(key: str) -> str:
-    """How a loss statistic combines over micro-batches and processes: "min" for a ..._min or .../min key, "max"
-    likewise, else "mean" (TRL's)."""
+    """How a loss statistic combines over processes: "min" for a ..._min or .../min key, "max" likewise, else
+    "mean" (TRL's)."""
     for reduce_fx in ("min", "max"):
         if key.endswith((f"_{reduce_fx}", f"/{reduce_fx}")):
             return reduce_fx
@@ -66,9 +67,35 @@ def sample_metrics(samples: dict[str, torch.Tensor], num_generations: int) -> di
     return {k: float(v) for k, v in metrics.items()}
 
 
-def loss_metrics(stats: Sequence[dict[str, torch.Tensor]]) -> dict[str, float]:
-    """Each loss (and sampling/*) statistic over the window's micro-batches, by its rank_reduction: TRL averages
-    them; min of mins, max of maxes."""
-    combine = {"mean": torch.mean, "min": torch.min, "max": torch.max}
-    return {f"train/{key}": float(combine[rank_reduction(f"train/{key}")](
-        torch.stack([torch.as_tensor(s[key], dtype=torch.float64).cpu() for s in stats]))) for key in stats[0]}
+def loss_metrics(stats: Sequence[dict[str, torch.Tensor]],
+                 gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
+    """Each loss (or sampling/*) statistic as TRL logs it: one value per micro-batch, reduced over processes by its
+    rank_reduction (`gather`: a tensor stacked from every process, [W, ...]; None: one process), then those values
+    averaged leaving NaNs out, as GRPOTrainer.log does (NaN if all are). Taking min/max over micro-batches, or
+    letting a NaN micro-batch (all its sequences masked) through, is not TRL's number."""
+    keys = list(stats[0])
+    local = torch.tensor([[float(s[key]) for s in stats] for key in keys], dtype=torch.float64)  # [K, A]
+    every = gather(local) if gather is not None else local.unsqueeze(0)  # [W, K, A]
+    return {f"train/{key}": float(over_processes(every[:, i], rank_reduction(key)).nanmean())
+            for i, key in enumerate(keys)}
+
+
+def over_processes(values: torch.Tensor, reduce_fx: str) -> torch.Tensor:
+    """[W, A] -> [A]: the mean over processes, or min / max leaving NaNs out (trl.trainer.utils.nanmin / nanmax:
+    NaN if all are)."""
+    if reduce_fx == "mean":
+        return values.mean(0)
+    fill = math.inf if reduce_fx == "min" else -math.inf
+    kept = torch.where(values.isnan(), fill, values)
+    out = kept.amin(0) if reduce_fx == "min" else kept.amax(0)
+    return torch.where(values.isnan().all(0), math.nan, out)
+
+
+def window_loss_metrics(rollouts: Sequence[RolloutBatch], stats: Sequence[dict[str, torch.Tensor]],
+                        gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
+    """The window's loss statistics (loss_metrics) and, with the vLLM correction, TRL's sampling/* metrics: those
+    once over the window's rollouts (TRL's generation batch), not micro-batch values averaged."""
+    metrics = loss_metrics(stats, gather)
+    if rollouts[0].is_values:
+        metrics.update(loss_metrics([sampling_stats([x.is_values for x in rollouts])], gather))
+    return metrics

@@ -7,12 +7,20 @@ reward from fitness shaping (its shaped fitness is 0, the update still divides b
 from its group's mean and std (advantage 0). Both log the count as `train/bad_rewards`. A step where more than
 MAX_BAD_FRACTION of them are bad, or fewer than `min_usable` remain (ES: 2), stops the run with one line naming
 the reward function(s) and the step, before any weight changes.
+
+A reward function may be async (`async def`, as TRL accepts): its coroutine runs to its end on one event loop kept
+in a daemon thread, as TRL's GRPOTrainer keeps one, so clients it binds to that loop (an HTTP session) live on
+from step to step.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import math
 import numbers
+import os
+import threading
 from typing import Any, Callable, Iterable
 
 from esrl.errors import EsrlError, RewardError
@@ -41,7 +49,10 @@ def call_reward(label: str, func: Callable[..., Any], /, **kwargs: Any) -> Any:
     """A reward or metric function's values; one it raises is a RewardError naming it by `label` ("reward function
     NAME"; a TypeError: the signature TRL's reward functions take). esrl's own errors (a scorer's) pass as they are."""
     try:
-        return func(**kwargs)
+        values = func(**kwargs)
+        if inspect.isawaitable(values):  # an async reward function: awaited on the event loop (TRL's asyncio path)
+            values = asyncio.run_coroutine_threadsafe(_awaited(values), _event_loop()).result()
+        return values
     except EsrlError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's code: whatever it raises is its culprit's
@@ -49,6 +60,31 @@ def call_reward(label: str, func: Callable[..., Any], /, **kwargs: Any) -> Any:
                 "completion_ids, trainer_state, log_metric and log_extra come as keywords)"
                 if isinstance(e, TypeError) else "")
         raise RewardError(f"{label} raised {type(e).__name__}: {e}{hint}") from e
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+_loop: tuple[int, asyncio.AbstractEventLoop] | None = None  # (the process that started it, the loop)
+_loop_lock = threading.Lock()
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """The process's event loop for async reward functions, started once in a daemon thread (again in a forked
+    child, which has no such thread)."""
+    global _loop
+    with _loop_lock:
+        if _loop is None or _loop[0] != os.getpid():
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=_run_forever, args=(loop,), name="esrl-async-rewards", daemon=True).start()
+            _loop = (os.getpid(), loop)
+        return _loop[1]
+
+
+def _run_forever(loop: asyncio.AbstractEventLoop) -> None:
+    asyncio.set_event_loop(loop)
+    loop.run_forever()
 
 
 def reward_floats(label: str, values: Any, expected: int) -> list[float]:
