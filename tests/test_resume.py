@@ -361,8 +361,8 @@ def test_resume_plan_keeps_the_checkpoints_values_and_lets_safe_ones_win():
 
 
 def test_a_value_typed_equal_to_the_default_is_given_too(tmp_path):
-    """`--model.es.alpha 5e-4` (the default) or `alpha: 5e-4` in a --config file against a checkpoint trained with
-    0.02 is a conflict, not the checkpoint's value taken silently; an unwritten field still takes the checkpoint's."""
+    """`--model.es.alpha 5e-4` (the default) or `alpha: 5e-4` in a --config / -c file or a global config's `fit:`
+    against a checkpoint trained with 0.02 is a conflict, not silently the checkpoint's; unwritten: the checkpoint's."""
     from esrl.errors import ConfigError
     from esrl.resume import explicit_fields, plan_resume
 
@@ -372,7 +372,28 @@ def test_a_value_typed_equal_to_the_default_is_given_too(tmp_path):
     for argv in (["fit", "--model.es.alpha", "0.0005"], ["fit", "--model.es.alpha=0.0005"]):
         with pytest.raises(ConfigError, match="model.es.alpha 0.02 in the checkpoint, 0.0005 given"):
             plan_resume("x.ckpt", ckpt, given, explicit=explicit_fields(argv))
-    config = tmp_path / "c.yaml"
+    config, global_config = tmp_path / "c.yaml", tmp_path / "g.yaml"
     config.write_text("seed_everything: 0\nmodel:\n  es:\n    alpha: 0.0005\n")
-    with pytest.raises(ConfigError, match="model.es.alpha 0.02 in the checkpoint, 0.0005 given; seed_everything 3"):
-        plan_resume("x.ckpt", ckpt, given, explicit=explicit_fields(["fit", "--config", str(config)]))
+    global_config.write_text("fit:\n  seed_everything: 0\n  model:\n    es:\n      alpha: 0.0005\n")
+    for argv in (["fit", "--config", config], ["fit", "-c", config], ["fit", f"-c={config}"], [f"--config={config}"],
+                 ["--config", global_config, "fit"], ["-c", global_config, "fit", "--trainer.max_steps", "3"]):
+        with pytest.raises(ConfigError, match="model.es.alpha 0.02 in the checkpoint, 0.0005 given; seed_everything 3"):
+            plan_resume("x.ckpt", ckpt, given, explicit=explicit_fields([str(a) for a in argv]))
+    assert "model.es.alpha" not in explicit_fields(["-c", str(global_config), "validate"])  # not validate's section
+
+
+def test_ckpt_path_last_is_the_newest_checkpoint_of_the_root_or_one_line(slurm_run, config, tmp_path):
+    """`--ckpt_path last` trained from step 0 with exit 0 (Lightning looked in this fit's new version folder). Now
+    the root's newest version_*/checkpoints/{last,interrupted}.ckpt: conflicts checked, its folder continued."""
+    root, last = slurm_run["root"], slurm_run["version"] / "checkpoints" / "last.ckpt"
+    fit = ["fit", "--config", config, "--trainer.default_root_dir", root, "--ckpt_path", "last"]
+    out = run_esrl(*fit, "--trainer.max_steps", 1, "--model.es.alpha", "0.05")
+    assert out.returncode == 2 and f"esrl: error: --ckpt_path {last} was trained with other settings than given: " \
+        "model.es.alpha 0.02 in the checkpoint, 0.05 given" in out.stderr, out.stderr[-3000:]
+    out = run_esrl(*fit, "--trainer.max_steps", STEPS)
+    assert out.returncode == 0 and f"Restored all states from the checkpoint at {last}" in out.stderr, out.stderr
+    assert [p.name for p in (root / "lightning_logs").iterdir()] == ["version_0"]
+    out = run_esrl(*fit[:4], tmp_path, *fit[5:])
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        f"esrl: error: --ckpt_path last: no checkpoint to resume in {tmp_path}/lightning_logs/version_*/checkpoints "
+        "(last.ckpt or interrupted.ckpt); give a checkpoint file, or start without --ckpt_path"], out.stderr[-3000:]
