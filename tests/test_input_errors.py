@@ -104,11 +104,14 @@ def test_an_unknown_or_misplaced_command_is_named(argv, message):
 
 @pytest.mark.parametrize("init_args, message", [
     ({"num_samples": 2, "pass_k": [4]}, "trainer.callbacks (esrl.callbacks.Evaluation): Evaluation.pass_k [4]: "
-                                        "each k must be <= num_samples (2)"),
+                                        "each k must be in [1, num_samples (2)]"),
+    ({"num_samples": 2, "pass_k": [0]}, "trainer.callbacks (esrl.callbacks.Evaluation): Evaluation.pass_k [0]: "),
+    ({"num_samples": 2, "temperature": 0}, "trainer.callbacks (esrl.callbacks.Evaluation): Evaluation.temperature 0.0: "
+                                           "must be > 0"),  # a division by 0 after the model loaded
     ({"num_sample": 2}, "trainer.callbacks: esrl.callbacks.Evaluation has no option num_sample (did you mean "
                         "num_samples?)"),
-    ({"every_n_steps": -1}, "trainer.callbacks (esrl.callbacks.Evaluation): Evaluation.every_n_steps -1 and "
-                            "table_rows 8: must be >= 0"),  # step % -1 == 0: evaluated every step
+    ({"every_n_steps": -1}, "trainer.callbacks (esrl.callbacks.Evaluation): Evaluation.every_n_steps -1, "
+                            "table_rows 8 and num_samples 0: must be >= 0"),  # step % -1 == 0: every step
 ])
 def test_a_callbacks_bad_argument_is_one_line_naming_it(tmp_path, init_args, message):
     """jsonargparse tries a callback list as a Union: its report was ~80 lines, or a traceback (exit 1)."""
@@ -122,6 +125,12 @@ def test_a_callbacks_bad_argument_is_one_line_naming_it(tmp_path, init_args, mes
     out = run_esrl("fit", "--config", ROOT / "configs/demo/es_conciseness.yaml", "--config", config,
                    "--trainer.default_root_dir", tmp_path / "run")
     assert _one_error(out).startswith(f"esrl: error: {message}")
+    # the check study, sweep and `env --config` run before any fit: the same line (it was a traceback)
+    from esrl.fit_check import check_fit_args
+
+    with pytest.raises(ConfigError) as refused:
+        check_fit_args([("run", ["--config", str(ROOT / "configs/demo/es_conciseness.yaml"), "--config", str(config)])])
+    assert str(refused.value).startswith(f"run: {message}")
 
 
 @pytest.mark.parametrize("command", ["env --config", "study"])

@@ -69,18 +69,7 @@ class EsrlCLI(LightningCLI):
                 self._resume.run_dir = ckpt.get("esrl_run_dir") or str(Path(config.ckpt_path).parent.parent)
 
     def instantiate_classes(self) -> None:
-        """The config's classes; one that refuses its arguments inside a list jsonargparse tries as a Union (a
-        callback's own check: Evaluation's pass_k) is one line naming it, not jsonargparse's Union report."""
-        try:
-            super().instantiate_classes()
-        except ValueError as e:
-            cause = e
-            while cause.__cause__ is not None and not isinstance(cause, EsrlError):
-                cause = cause.__cause__
-            if cause is e:
-                raise
-            where = re.search(r"class_path='([^']+)'", str(e))
-            raise ConfigError(f"trainer.callbacks{f' ({where.group(1)})' if where else ''}: {cause}") from None
+        one_line_classes(super().instantiate_classes)
 
     def instantiate_trainer(self, **kwargs):
         """Lightning's Trainer; a setting it refuses (a strategy name, devices for the accelerator) is one line
@@ -196,6 +185,21 @@ def _run_tool(name: str, argv: list[str]) -> None:
 
     module, _, func = TOOLS[name][0].partition(":")
     getattr(importlib.import_module(module), func)(argv)
+
+
+def one_line_classes(instantiate) -> None:
+    """The config's classes instantiated; one that refuses its arguments inside a list jsonargparse tries as a Union
+    (a callback's own check: Evaluation's pass_k) is one line naming it, not jsonargparse's Union report."""
+    try:
+        instantiate()
+    except ValueError as e:
+        cause = e
+        while cause.__cause__ is not None and not isinstance(cause, EsrlError):
+            cause = cause.__cause__
+        if cause is e:
+            raise
+        where = re.search(r"class_path='([^']+)'", str(e))
+        raise ConfigError(f"trainer.callbacks{f' ({where.group(1)})' if where else ''}: {cause}") from None
 
 
 _NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")

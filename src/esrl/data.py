@@ -62,7 +62,8 @@ class PromptDataModule(L.LightningDataModule):
                  prompts_per_step: int = 2, eval_batch_size: int = 16, shuffle: bool = True, seed: int = 0):
         """
         Args:
-            task: task name (conciseness, countdown, jsonl) or a 'module:function' returning a Task.
+            task: task name (conciseness, countdown, jsonl, math, pku_saferlhf) or a 'module:function' returning a
+                Task.
             task_args: the task builder's options (data paths, sizes, reward functions).
             prompts_per_step: prompts per ES iteration / GRPO micro-batch (per process under GRPO data
                 parallelism; a GRPO optimizer step takes trainer.accumulate_grad_batches of them). At most the

@@ -40,14 +40,14 @@ def check_fit_args(runs: Sequence[tuple[str, list[str]]], defer: bool = False) -
 def _check(runs: Sequence[tuple[str, list[str]]]) -> None:
     if not runs:
         return
-    from esrl.cli import EsrlCLI, attach_negative_numbers
+    from esrl.cli import EsrlCLI, attach_negative_numbers, one_line_classes
     from esrl.data import PromptDataModule
     from esrl.module_factory import build_module
     from esrl.parser_errors import one_line
 
     class CheckOnly(EsrlCLI):
         def instantiate_classes(self) -> None:
-            self.parser.instantiate_classes(self.config)  # module and data module: their own checks
+            one_line_classes(lambda: self.parser.instantiate_classes(self.config))  # their own checks, in one line
             raise _Checked
 
     seed_logger = logging.getLogger("lightning.fabric.utilities.seed")  # "Seed set to N", once per run

@@ -49,6 +49,9 @@ class PolicyModule(L.LightningModule):
                 f"choose auto, on, fused or off, got {self.rollout_config.compile!r}")
         require(self.rollout_config.prompt_bucket >= 1, "model.rollout.prompt_bucket", "must be >= 1")
         require(0 < self.rollout_config.top_p <= 1, "model.rollout.top_p", "must be in (0, 1]")
+        require(self.rollout_config.vllm_max_loras is None or self.rollout_config.vllm_max_loras >= 1,
+                "model.rollout.vllm_max_loras", f"must be >= 1 (or null: the engine's choice), got "
+                f"{self.rollout_config.vllm_max_loras}")
         require(all(isinstance(t, str) and t for t in self.rollout_config.stop), "model.rollout.stop",
                 f"stop strings must be non-empty (an empty one ends every completion at once), got "
                 f"{self.rollout_config.stop!r}")

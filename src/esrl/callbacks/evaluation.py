@@ -44,9 +44,11 @@ class Evaluation(L.Callback):
             table_rows: prompts whose completions go to the sample table (`samples.csv`, W&B when on).
             seed: sampling seed, fixed so evaluations differ only by the weights.
         """
-        if every_n_steps < 0 or table_rows < 0:  # step % -1 == 0: every step, silently
-            raise ValueError(f"Evaluation.every_n_steps {every_n_steps} and table_rows {table_rows}: must be >= 0 "
-                             "(0: never)")
+        if every_n_steps < 0 or table_rows < 0 or num_samples < 0:  # step % -1 == 0: every step, silently
+            raise ValueError(f"Evaluation.every_n_steps {every_n_steps}, table_rows {table_rows} and num_samples "
+                             f"{num_samples}: must be >= 0 (0: never)")
+        if temperature <= 0:  # sampling at 0 divides the logits by 0 (and the KL's log-probs with them)
+            raise ValueError(f"Evaluation.temperature {temperature}: must be > 0")
         self.every_n_steps = every_n_steps
         self.before = before
         self.after = after
@@ -57,8 +59,8 @@ class Evaluation(L.Callback):
                              "estimates no KL): set kl: false to sample a nucleus")
         self.top_p = top_p
         self.pass_k = (pass_k or sorted({1, num_samples})) if num_samples else []
-        if any(k > num_samples for k in self.pass_k):
-            raise ValueError(f"Evaluation.pass_k {self.pass_k}: each k must be <= num_samples ({num_samples})")
+        if any(not 1 <= k <= num_samples for k in self.pass_k):
+            raise ValueError(f"Evaluation.pass_k {self.pass_k}: each k must be in [1, num_samples ({num_samples})]")
         self.kl = kl
         self.correct_metric = correct_metric
         self.table_rows = table_rows
