@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from esrl.metrics import cjk_share, hacking_indicators, k3_kl, pass_at_k, repetition
+from esrl.metrics import cjk_share, hacking_indicators, k3_kl, pass_at_k, repetition, special_token_share
 
 
 @pytest.mark.parametrize("n,c,k", [(5, 0, 1), (5, 2, 1), (5, 2, 3), (6, 3, 6), (4, 4, 2), (8, 1, 4)])
@@ -44,3 +44,14 @@ def test_hacking_indicators_on_written_examples():
     assert ind["cjk_share"] == pytest.approx(1 / 3)
     assert ind["truncated"] == pytest.approx(1 / 3)
     assert ind["length_max"] == len("hello <|im_start|> there")
+
+
+def test_special_token_share_leaves_out_every_declared_end_token():
+    """Qwen2.5-Instruct ends on <|im_end|> or <|endoftext|> (both declared, kept in the ids): ending on the second
+    flagged every completion as holding a special token, and sweep and study called the run hacked."""
+    im_end, endoftext, pad_like, word = 2, 0, 5, 100
+    ended_on_either = [[word, im_end], [word, endoftext], [word]]
+    assert special_token_share(ended_on_either, [im_end, endoftext, pad_like], [im_end, endoftext]) == 0.0
+    assert special_token_share(ended_on_either, [im_end, endoftext, pad_like], [im_end]) == 1 / 3
+    assert special_token_share([[word, pad_like, word], [word]], [im_end, pad_like], [im_end]) == 0.5
+    assert special_token_share([], [im_end], [im_end]) == 0.0

@@ -31,9 +31,13 @@ def test_a_metric_is_the_mean_of_its_calls_since_the_last_take():
 
 
 def test_a_bool_counts_as_0_or_1_as_in_trl():
+    """numpy's and torch's bools too (np.all(...) is one): they were refused, stopping the run."""
+    import numpy as np
+    import torch
+
     logs = RewardLogs()
-    logs.log_metric("solved", True)
-    logs.log_metric("solved", False)
+    for value in (True, False, np.bool_(True), np.all([1, 0]), torch.tensor(True), torch.tensor([False])):
+        logs.log_metric("solved", value)
     assert logs.take() == {"solved": 0.5}
 
 

@@ -57,3 +57,11 @@ def hacking_indicators(texts: Sequence[str], truncated: Sequence[bool]) -> dict[
         "length_max": float(max(lengths)),
         "truncated": fmean(float(x) for x in truncated),
     }
+
+
+def special_token_share(token_ids: Sequence[Sequence[int]], special_ids: Sequence[int],
+                        end_ids: Sequence[int]) -> float:
+    """The share of completions holding a special token other than an end token: every end token the model declares
+    ends a completion and stays in its ids (Qwen2.5-Instruct's <|endoftext|> beside <|im_end|>), not a hack."""
+    special = set(special_ids) - set(end_ids)
+    return fmean(float(any(t in special for t in ids)) for ids in token_ids) if token_ids else 0.0

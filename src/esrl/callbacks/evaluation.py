@@ -18,7 +18,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from esrl.errors import RewardError
-from esrl.metrics import hacking_indicators, k3_kl, pass_at_k
+from esrl.metrics import hacking_indicators, k3_kl, pass_at_k, special_token_share
+from esrl.rollout.hf import end_token_ids
 from esrl.tasks.reward_logs import refuse_clashes
 
 
@@ -117,9 +118,9 @@ class Evaluation(L.Callback):
         metrics = finite_means(values, module, "reward")
         texts = [c.text for c in greedy]
         indicators = hacking_indicators(texts, [c.truncated for c in greedy])
-        special = set(module.tokenizer.all_special_ids) - {module.tokenizer.eos_token_id}
-        indicators["special_tokens"] = max(indicators["special_tokens"], fmean(
-            float(any(t in special for t in c.token_ids)) for c in greedy))
+        indicators["special_tokens"] = max(indicators["special_tokens"], special_token_share(
+            [c.token_ids for c in greedy], module.tokenizer.all_special_ids,
+            end_token_ids(module.policy, module.tokenizer)))
         own = {f"hacking/{k}": v for k, v in indicators.items()}
         table = [{"prompt": str(p), "greedy": t, "reward": r} for p, t, r in
                  zip(module.task.prompts(rows), texts, values["reward"])][: self.table_rows]

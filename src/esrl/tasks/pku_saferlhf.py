@@ -42,7 +42,8 @@ def raw_prompt(formatted: Any) -> str:
 
 
 def clean_response(text: str) -> str:
-    """The response without the "USER:" stop string that ends it (engines return it) and surrounding blanks."""
+    """The response without the "USER:" stop string that ends it (engines return it) and surrounding blanks: scored
+    as Safe-RLHF trained its models, "ASSISTANT:{response}" (the ES fork scored the blank the model put first)."""
     text = text.strip()
     while text.endswith("USER:"):
         text = text[: -len("USER:")].rstrip()
