@@ -87,6 +87,50 @@ def test_a_bad_grid_value_is_one_line_naming_its_run_before_any_run(config, tmp_
     assert len(out.stdout.splitlines()) == 2 and all(" fit --config " in line for line in out.stdout.splitlines())
 
 
+@pytest.mark.parametrize(("grid", "message"), [
+    ("model.es.alpha=0.001,0.001", "model.es.alpha: values '0.001', '0.001' share one run folder (alpha=0.001); "),
+    ("data.task_args.path=data/a.jsonl,data_a.jsonl",
+     "data.task_args.path: values 'data/a.jsonl', 'data_a.jsonl' share one run folder (path=data-a.jsonl); "),
+    ("data.task_args.path=a b,a-b", "data.task_args.path: values 'a b', 'a-b' share one run folder (path=a-b); "),
+])
+def test_grid_values_that_share_a_run_folder_are_refused(config, tmp_path, grid, message):
+    """Both points would run in one folder: the second overwrote (or, rerun, skipped) the first, and the table
+    listed one run twice while the other configuration never ran."""
+    out = run_esrl("sweep", "--config", config, "--out", tmp_path / "sweep", "--grid", "seed_everything=0",
+                   "--grid", grid)
+    assert refused(out, tmp_path).startswith("esrl sweep: error: --grid " + message), out.stderr
+
+
+def test_the_table_calls_ok_only_a_run_that_finished(tmp_path):
+    """A run without a returncode (still running, or killed hard: SIGKILL at a time limit, OOM) and without a
+    final/ was listed ok, its mid-run evaluation as its final eval reward."""
+    import json
+
+    from esrl.sweep import run_name, summarize_run
+
+    def row(alpha: str, rc: int | None, final: bool, evals: bool = True, log: bool = True) -> str:
+        combo = {"model.es.alpha": alpha}
+        root = tmp_path / run_name(combo)
+        version = root / "lightning_logs" / "version_0"
+        version.mkdir(parents=True)
+        if log:
+            (root / "fit.log").write_text("$ esrl fit ...\n")
+        if rc is not None:
+            (root / "returncode").write_text(f"{rc}\n")
+        if evals:
+            (version / "eval.jsonl").write_text(json.dumps({"step": 0, "reward": -1.0}) + "\n")
+        if final:
+            (version / "final").mkdir()
+        return summarize_run(tmp_path, combo)["status"]
+
+    assert row("1", None, final=False) == "incomplete"
+    assert row("2", None, final=False, evals=False) == "incomplete"
+    assert row("3", None, final=False, evals=False, log=False) == "not run"
+    assert row("4", None, final=True) == "ok"  # fit outside the sweep: no returncode, but its final/
+    assert row("5", 0, final=True) == "ok"
+    assert row("6", 1, final=False) == "failed (exit 1)"
+
+
 def test_a_signal_reaches_the_running_fit_no_later_run_starts_and_the_tool_exits_with_its_code(tmp_path):
     """esrl.fit_runs, which sweep and study share: subprocess.run in a worker thread kept the fit out of the
     signal's reach and the tool waited for it. A child standing in for a fit records the SIGTERM it gets."""

@@ -55,6 +55,9 @@ def parse_grid(items: list[str]) -> dict[str, list[str]]:
         grid[key] = vals
     if not grid:
         raise SweepError("no --grid given")
+    clash = name_clash(grid)
+    if clash:
+        raise SweepError(f"--grid {clash}")
     return grid
 
 
@@ -99,9 +102,30 @@ def short_keys(keys: list[str]) -> dict[str, str]:
     return {k: (s if last.count(s) == 1 else k) for k, s in zip(keys, last)}
 
 
+def value_name(value: str) -> str:
+    """A grid value as its run folder name spells it (data/a.jsonl -> data-a.jsonl)."""
+    return re.sub(r'[^A-Za-z0-9.+-]', '-', value)
+
+
 def run_name(combo: dict[str, str]) -> str:
     names = short_keys(list(combo))
-    return "_".join(f"{names[k]}={re.sub(r'[^A-Za-z0-9.+-]', '-', v)}" for k, v in combo.items())
+    return "_".join(f"{names[k]}={value_name(v)}" for k, v in combo.items())
+
+
+def name_clash(grid: dict[str, list[Any]]) -> str | None:
+    """`KEY: values ... share one run folder (...)` for the first key whose values name one folder (a repeated value,
+    or two that spell alike: data/a.jsonl, data_a.jsonl), else None. Such points would share a run: one ran twice
+    or never, its seeds counted twice. Per key suffices: a folder-name value holds no `_` or `=`."""
+    names = short_keys(list(grid))
+    for key, values in grid.items():
+        by_name: dict[str, list[Any]] = {}
+        for v in values:
+            by_name.setdefault(value_name(str(v)), []).append(v)
+        for name, same in by_name.items():
+            if len(same) > 1:
+                return (f"{key}: values {', '.join(repr(v) for v in same)} share one run folder ({names[key]}={name}); "
+                        "give each value once; values must differ in a letter, digit, ., + or -")
+    return None
 
 
 def fit_args(config: str, combo: dict[str, str], root: Path, extra: list[str]) -> list[str]:
@@ -158,15 +182,24 @@ def summarize_run(out: Path, combo: dict[str, str]) -> dict[str, Any]:
     if run_dir is not None:
         evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines() if line.strip()]
     if not evals:
-        row.update(status="not run" if rc is None else f"failed (exit {rc})", step="", reward_start="", reward="",
+        row.update(status=("incomplete" if (root / "fit.log").is_file() else "not run") if rc is None
+                   else f"failed (exit {rc})", step="", reward_start="", reward="",
                    kl="", hacked="", hacking="", run_dir="")
         return row
     first, last = evals[0], evals[-1]
     reasons = hacked(last)
-    row.update(status="ok" if rc in (0, None) else f"failed (exit {rc})", step=last.get("step", ""),
+    row.update(status=_status(rc, run_dir), step=last.get("step", ""),
                reward_start=_num(first.get("reward")), reward=_num(last.get("reward")), kl=_num(last.get("kl")),
                hacked=bool(reasons), hacking="; ".join(reasons), run_dir=str(run_dir))
     return row
+
+
+def _status(rc: int | None, run_dir: Path) -> str:
+    """ok: exit 0, or a final/ where the fit left no returncode (run outside the sweep). Without either it is still
+    running or was killed (SIGKILL at a time limit, OOM): incomplete, its last evaluation no final one."""
+    if rc == 0 or (rc is None and (run_dir / "final").is_dir()):
+        return "ok"
+    return "incomplete" if rc is None else f"failed (exit {rc})"
 
 
 def _num(x: Any) -> Any:

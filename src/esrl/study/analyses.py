@@ -7,7 +7,7 @@
 - robustness: the runs of the first `robustness_seeds` seeds of each algorithm.
 
 Each call writes OUT/analysis/<point>/<analysis>[_seed=S]/ (JSON, PNG, summary.json) and is skipped when that
-folder already holds the same models' results, so a rerun of the report costs nothing.
+folder already holds the same models' results under the same settings, so a rerun of the report costs nothing.
 """
 
 from __future__ import annotations
@@ -38,21 +38,45 @@ def label(r: RunResult) -> str:
     return f"{r.run.algorithm.label}/s{r.run.seed}"
 
 
-def _up_to_date(out: Path, models: list[RunResult]) -> bool:
+# Not compared: the analysis and output are the folder itself, the models are compared by label and path, prompts is
+# num_prompts as found, and the device ("auto" is recorded resolved) does not change what is measured.
+_NOT_SETTINGS = ("analyses", "models", "out", "device", "no_progress", "prompts")
+
+
+def _settings(recorded: dict[str, Any]) -> dict[str, Any]:
+    """`esrl analyze`'s settings as compared: alphas and sigmas as numbers (0 and 0.0 ask for the same grid)."""
+    out = {k: v for k, v in recorded.items() if k not in _NOT_SETTINGS}
+    for key in ("alphas", "sigmas"):
+        if isinstance(out.get(key), str):
+            out[key] = [float(x) for x in out[key].split(",") if x.strip()]
+    return out
+
+
+def _up_to_date(out: Path, models: list[RunResult], argv: list[str]) -> bool:
+    """The folder holds these models' results under these settings (alphas, sigmas, prompts, tokens, draws, task,
+    dtype, ...): a changed setting reruns the analysis rather than report old numbers under the new settings."""
+    from esrl.analysis.cli import parser
+
     summary = out / "summary.json"
     if not summary.is_file():
         return False
     done = json.loads(summary.read_text())
-    return [(m["label"], m["path"]) for m in done.get("models", [])] == [(label(r), str(r.final)) for r in models]
+    if [(m.get("label"), m.get("path")) for m in done.get("models", [])] != [(label(r), str(r.final)) for r in models]:
+        return False
+    try:
+        return _settings(done.get("settings") or {}) == _settings(vars(parser().parse_args(argv)))
+    except ValueError:  # a malformed record: analyze again
+        return False
 
 
 def _analyze(name: str, study: StudyConfig, config: dict[str, Any], models: list[RunResult], out: Path) -> Path:
     from esrl.analysis.cli import main as analyze
 
-    if not _up_to_date(out, models):
+    argv = [name, *_common_args(study, config), "--models", *(f"{label(r)}={r.final}" for r in models),
+            "--out", str(out)]
+    if not _up_to_date(out, models, argv):
         print(f"esrl study: analyze {name} -> {out}", flush=True)
-        analyze([name, *_common_args(study, config), "--models", *(f"{label(r)}={r.final}" for r in models),
-                 "--out", str(out)])
+        analyze(argv)
     return out / f"{name}.json"
 
 

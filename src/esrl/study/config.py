@@ -29,6 +29,7 @@ from typing import Any
 from esrl.checkpoints import check_root_dir
 from esrl.config_files import read_yaml
 from esrl.errors import ConfigError, require
+from esrl.sweep import name_clash
 
 ALGOS = ("es", "grpo")
 
@@ -111,6 +112,9 @@ class StudyConfig:
         require(self.checkpoint_every_n_steps >= 0, "checkpoint_every_n_steps", "must be >= 0")
         for key, values in self.grid.items():
             require(isinstance(values, list) and bool(values), f"grid.{key}", f"a non-empty list, got {values!r}")
+        clash = name_clash(self.grid)  # two points in one run folder: seeds counted twice, a point never run
+        if clash:
+            raise ConfigError(f"grid.{clash}")
         s = self.analysis
         unknown = [a for a in s.analyses if a not in ("similarity", "connectivity", "robustness")]
         require(not unknown, "analysis.analyses", f"unknown analysis {unknown[:1]}; "

@@ -137,17 +137,20 @@ def _analyses_section(lines: list[str], study: StudyConfig, point: str, found: d
                   "straight line between the endpoints (reward), or rise above it (NLL of the endpoints' completions).",
                   ""]
         rows, numbers["connectivity"] = [], []
-        for tag, path in found["connectivity"]:
-            data = json.loads(path.read_text())
+        # the header from the JSONs' own alphas (sorted, deduplicated by the analysis), not the study's list
+        loaded = [(tag, path, json.loads(path.read_text())) for tag, path in found["connectivity"]]
+        alphas = sorted({float(a) for _, _, data in loaded
+                         for a in data.get("alphas") or [pt["alpha"] for p in data["pairs"] for pt in p["points"]]})
+        for tag, path, data in loaded:
             for p in data["pairs"]:
                 rewards = {pt["alpha"]: pt["reward"] for pt in p["points"]}
                 numbers["connectivity"].append({"seed": tag, **{k: p[k] for k in ("a", "b", "kind", "reward_barrier",
                                                                                     "nll_barrier")}})
                 rows.append([tag, f"{p['a']} -> {p['b']}", _num(p["reward_barrier"]), _num(p["nll_barrier"]),
-                             " / ".join(_num(rewards[a]) for a in sorted(rewards))])
+                             " / ".join(_num(rewards.get(a)) for a in alphas)])
             lines += [f"![connectivity {tag}]({_copy_png(path, out, f'connectivity_{point}_{tag}.png')})"]
         lines += [""] + _table(["seed", "path", "reward barrier", "NLL barrier",
-                                "reward at a = " + ", ".join(map(str, study.analysis.alphas))], rows)
+                                "reward at a = " + ", ".join(map(str, alphas))], rows)
     for _tag, path in found.get("robustness", []):
         data = json.loads(path.read_text())
         lines += [f"## Perturbation robustness{title}", "",

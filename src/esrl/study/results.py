@@ -1,7 +1,8 @@
 """What the runs wrote, gathered per run and summarized per (algorithm, grid point) over seeds.
 
-Per run: its evaluations (eval.jsonl of every lightning_logs/version_N, a resumed run's versions merged, the
-newest version winning a step), its training reward per step (metrics.csv, `train/reward_mean`) and its final/.
+Per run: its evaluations (eval.jsonl of every lightning_logs/version_N, a resumed run's versions merged: the newest
+version whole, an older one only below the steps the newer ones logged), its training reward per step (metrics.csv,
+`train/reward_mean`, merged alike) and its final/.
 Per group: mean and 95% interval (Student t over seeds) of every number of the final evaluation: reward, KL to
 the base (k3, `kl`), sampled reward, pass@k, and the hacking indicators (`hacking/*`).
 """
@@ -73,24 +74,39 @@ def _versions(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.rsplit("_", 1)[-1]))
 
 
+def _eval_records(version: Path) -> dict[int, dict[str, Any]]:
+    path = version / "eval.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    return {int(r["step"]): r for r in records}
+
+
+def _train_rewards(version: Path) -> dict[int, float]:
+    path, out = version / "metrics.csv", {}
+    if path.is_file():
+        with path.open() as f:
+            for row in csv.DictReader(f):
+                value = row.get("train/reward_mean")
+                if value not in (None, "") and row.get("step") not in (None, ""):
+                    out[int(float(row["step"]))] = float(value)
+    return out
+
+
+def _merge(per_version: list[dict[int, Any]]) -> dict[int, Any]:
+    """Newest version first; an older one adds only steps below the smallest step taken so far. A resume into a
+    new version keeps its past; a restart from scratch (a failed first attempt without a checkpoint) drops the
+    failed attempt's later steps, which would otherwise read as the finished run's final evaluation."""
+    merged: dict[int, Any] = {}
+    for steps in per_version:
+        floor = min(merged, default=math.inf)
+        merged.update({s: v for s, v in steps.items() if s < floor})
+    return merged
+
+
 def collect(run: Run) -> RunResult:
-    evals: dict[int, dict[str, Any]] = {}
-    train: dict[int, float] = {}
-    for version in _versions(run.root):
-        path = version / "eval.jsonl"
-        if path.is_file():
-            for line in path.read_text().splitlines():
-                if line.strip():
-                    record = json.loads(line)
-                    evals[int(record["step"])] = record
-        metrics = version / "metrics.csv"
-        if metrics.is_file():
-            with metrics.open() as f:
-                for row in csv.DictReader(f):
-                    value = row.get("train/reward_mean")
-                    if value not in (None, "") and row.get("step") not in (None, ""):
-                        train[int(float(row["step"]))] = float(value)
-    return RunResult(run, [evals[s] for s in sorted(evals)], train, final_dir(run.root))
+    versions = _versions(run.root)[::-1]
+    evals = _merge([_eval_records(v) for v in versions])
+    train = _merge([_train_rewards(v) for v in versions])
+    return RunResult(run, [evals[s] for s in sorted(evals)], dict(sorted(train.items())), final_dir(run.root))
 
 
 def group_key(run: Run) -> tuple[str, str]:
@@ -131,10 +147,18 @@ def summarize(results: list[RunResult]) -> dict[str, Any]:
         start = interval([r.evals[0].get("reward") for r in members if r.evals and r.evals[0].get("step") == 0])
         row["reward@step0"] = _json(start)
         for name in names:
-            row[name] = _json(interval([r.last.get(name) for r in members]))
+            row[name] = _json(interval([final_value(r.last, name) for r in members]))
         row["hacked_runs"] = [r.run.name for r in members if hacked(r.last)]
         rows.append(row)
     return {"metrics": names, "groups": rows}
+
+
+def final_value(record: dict[str, Any], name: str) -> Any:
+    """record[name]; a missing bad_rewards (sampled/bad_rewards) is 0 where its reward was measured: the evaluation
+    writes the count only when above 0, and a mean over the seeds that have it (0, 0, 6 -> 6) overstates it."""
+    if name not in record and name.endswith("bad_rewards") and name[:-len("bad_rewards")] + "reward" in record:
+        return 0.0
+    return record.get(name)
 
 
 def _json(iv: Interval | None) -> dict[str, Any] | None:
