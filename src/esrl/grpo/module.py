@@ -39,7 +39,7 @@ from esrl.grpo.importance import engine_correction
 from esrl.grpo.loss import GLOBAL_TOKEN_LOSSES, GRPOLoss
 from esrl.grpo.optim import built, default_adamw, default_schedule
 from esrl.grpo.reference import FrozenReference
-from esrl.grpo.rollout_batch import RolloutBatch, Scores, rollout_tensors
+from esrl.grpo.rollout_batch import RolloutBatch, Scores, reuse_state, reused, rollout_tensors
 from esrl.grpo.step_metrics import OTHER_HOOKS, sample_metrics, window_loss_metrics, window_samples
 from esrl.models.loading import load_causal_lm
 from esrl.models.logps import per_token_logps
@@ -382,16 +382,15 @@ class GRPOModule(PolicyModule):
         super().on_train_batch_end(outputs, batch, batch_idx)  # compile times of the engine, once
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """num_iterations > 1, saved inside a reuse window: its rollouts (old logps included) too, so the resumed run
-        trains on them as the uninterrupted one does, instead of sampling a fresh batch."""
+        """num_iterations > 1, saved inside a reuse window: every process's rollouts (old logps included) too, so the
+        resumed run trains on them as the uninterrupted one does, instead of sampling a fresh batch. Every process
+        runs this hook (ModelCheckpoint, esrl's interruption); rank 0 writes the file."""
         super().on_save_checkpoint(checkpoint)
         checkpoint["esrl_grpo"] = {"config": asdict(self.grpo), "run_seed": self.run_seed}
         if self.global_step % self.grpo.num_iterations and self._rollouts:
-            checkpoint["esrl_grpo_reuse"] = {"rollouts": [r.state_dict() for r in self._rollouts],
-                                             "num_items": None if self._num_items is None else self._num_items.cpu()}
+            checkpoint["esrl_grpo_reuse"] = reuse_state(self._rollouts, self._num_items, self.trainer.world_size)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_load_checkpoint(checkpoint)
-        reuse = checkpoint.get("esrl_grpo_reuse") or {"rollouts": [], "num_items": None}
-        self._rollouts = [RolloutBatch.from_state_dict(r) for r in reuse["rollouts"]]  # to the device at train start
-        self._num_items = reuse["num_items"]
+        super().on_load_checkpoint(checkpoint)  # the rollouts go to the device at train start
+        self._rollouts, self._num_items = reused(checkpoint.get("esrl_grpo_reuse"), self.trainer.world_size,
+                                                 self.trainer.global_rank)

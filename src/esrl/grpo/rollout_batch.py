@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from esrl.errors import ConfigError
 from esrl.rollout import Completion
 
 
@@ -50,6 +51,29 @@ class RolloutBatch:
     @classmethod
     def from_state_dict(cls, state: dict[str, Any]) -> RolloutBatch:
         return cls(**state)
+
+
+def reuse_state(rollouts: list[RolloutBatch], num_items: torch.Tensor | None, world_size: int) -> dict[str, Any]:
+    """A num_iterations window's rollouts of every process (each samples its own prompts), for a checkpoint that
+    rank 0 writes; every process calls this (the hook runs on each), as all_gather_object needs."""
+    mine = [r.state_dict() for r in rollouts]
+    every: list[Any] = [mine]
+    if world_size > 1:
+        every = [None] * world_size
+        torch.distributed.all_gather_object(every, mine)
+    return {"rollouts": every, "num_items": None if num_items is None else num_items.cpu()}
+
+
+def reused(state: dict[str, Any] | None, world_size: int, rank: int) -> tuple[list[RolloutBatch], Any]:
+    """This process's rollouts and the window's token count from reuse_state's `state` (none: empty); saved on
+    another number of processes is refused: no process could train on its own."""
+    if state is None:
+        return [], None
+    if len(state["rollouts"]) != world_size:
+        raise ConfigError(f"--ckpt_path: saved inside a num_iterations window on {len(state['rollouts'])} "
+                          f"process(es), whose rollouts a run on {world_size} cannot share out; resume on as many, "
+                          "or from a checkpoint at a window's end")
+    return [RolloutBatch.from_state_dict(r) for r in state["rollouts"][rank]], state["num_items"]
 
 
 def _moved(value: Any, device: torch.device | str) -> Any:
