@@ -72,6 +72,19 @@ def test_two_processes_give_the_weights_of_one(es_config, reference_run, tmp_pat
     assert_same_tensors(load_safetensors(reference_run), load_safetensors(two))
 
 
+def test_a_weight_that_drifts_on_one_rank_stops_the_run_naming_the_iteration(es_config, tmp_path, monkeypatch):
+    """checksum_every 1: one ulp of one weight on rank 1 at iteration 1 stops both ranks in one line naming it (the
+    seed log's 0-based number; the message said 2, global_step having counted the update)."""
+    from conftest import FIXTURES
+
+    monkeypatch.setenv("PYTHONPATH", str(FIXTURES))
+    out = run_esrl("fit", "--config", es_config, "--trainer.devices", "2", "--trainer.default_root_dir", tmp_path,
+                   "--trainer.callbacks+=drift_at_step.DriftAtStep", "--trainer.callbacks.at=1")
+    assert out.returncode != 0 and "ES weights differ across ranks at iteration 1: checksums" in out.stderr, \
+        out.stderr[-3000:]
+    assert not list(tmp_path.rglob("final"))
+
+
 def test_resume_from_mid_epoch_equals_uninterrupted(es_config, reference_run, tmp_path):
     ckpt = next(reference_run.parent.parent.glob("checkpoints/step=2.ckpt"))
     resumed = fit_final(es_config, tmp_path, "--ckpt_path", ckpt)

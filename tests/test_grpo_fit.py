@@ -263,3 +263,19 @@ def test_per_token_logps_refuses_to_score_the_first_token(tiny_model):
     assert per_token_logps(model, ids, torch.ones_like(ids), 4).shape == (1, 4)
     with pytest.raises(ValueError, match=r"logits_to_keep 5: must be in \[1, 4\] for 5 tokens"):
         per_token_logps(model, ids, torch.ones_like(ids), 5)
+
+
+def test_esrl_validate_on_two_processes_gives_one_process_numbers(tiny_model, tmp_path):
+    """3 evaluation prompts over GRPO's 2 processes: Lightning's DistributedSampler padded them to 4, the first
+    counted twice in the mean; every process now evaluates every row, as ES and the Evaluation callback do."""
+    import re
+
+    config = write_tiny_config(tmp_path / "validate.yaml", tiny_model)
+    train3 = str(FIXTURES / "conciseness_train3.jsonl")
+    rewards = []
+    for devices in ("1", "2"):
+        out = run_esrl("validate", "--config", config, "--algo", "grpo", "--data.task_args.eval_path", train3,
+                       "--trainer.devices", devices, "--trainer.default_root_dir", tmp_path / devices)
+        assert out.returncode == 0, out.stderr[-3000:]
+        rewards.append(re.search(r"eval/reward\s*│\s*(-?[\d.]+)", out.stdout + out.stderr).group(1))
+    assert rewards[0] == rewards[1]

@@ -17,7 +17,10 @@ class PromptSampler(DistributedSampler):
     """Seeded per-epoch permutation that can resume mid-epoch, served in accumulation windows.
 
     It subclasses DistributedSampler so Lightning does not replace it; the strategy decides the sharding
-    (ES: every rank sees every prompt, since all members are scored on the same prompts).
+    (ES: every rank sees every prompt, since all members are scored on the same prompts). Sharded over processes
+    (GRPO), an epoch's tail that does not fill every process is padded with its first prompts, as
+    DistributedSampler pads: some prompts train twice that epoch (TRL drops an incomplete global batch instead), and
+    a set smaller than the processes still trains (the paper's conciseness baseline: 2 prompts on 8 GPUs).
 
     With `window_repeats` A > 1 (trainer.accumulate_grad_batches), the permutation is cut into windows of
     `window_size` indices (an optimizer step's prompts) and each window is served A times, once per micro-batch,
@@ -113,8 +116,12 @@ class PromptDataModule(L.LightningDataModule):
                           collate_fn=functools.partial(_collate, micro_batches=micro_batches))
 
     def eval_dataloader(self) -> DataLoader:
+        """Every row on every process, in order (a sampler of one replica, which Lightning keeps): its
+        DistributedSampler padded a sharded evaluation (esrl validate / test under GRPO's DDP) with repeated rows,
+        counted in its means."""
         rows = self.task.eval_rows or self.task.train_rows
-        return DataLoader(_Rows(rows), batch_size=self.eval_batch_size, shuffle=False, collate_fn=_collate)
+        return DataLoader(_Rows(rows), batch_size=self.eval_batch_size, sampler=PromptSampler(len(rows), False, 0),
+                          collate_fn=_collate)
 
     val_dataloader = eval_dataloader
     test_dataloader = eval_dataloader

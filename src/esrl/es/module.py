@@ -192,7 +192,7 @@ class ESModule(PolicyModule):
             self.backend.after_update()
         if self.es.checksum_every and world > 1 and (iteration + 1) % self.es.checksum_every == 0:
             with self.timed("sync"):
-                self.check_drift()
+                self.check_drift(iteration)
 
         extra = {"train/bad_rewards": bad}  # members left out of the update for a NaN/inf reward
         if self.constraint is not None:  # every rank holds all members' costs: lambda stays equal across ranks
@@ -201,10 +201,11 @@ class ESModule(PolicyModule):
                           "train/safe_frac": float(scores[:, 3].mean())})
         self._log_iteration(fitness, shaped, alpha, time.perf_counter() - start, extra)
 
-    def check_drift(self) -> None:
+    def check_drift(self, iteration: int) -> None:
+        """`iteration`: the seed log's number of the update just applied (global_step has counted it already)."""
         sums = self.trainer.strategy.gather_all(weights_checksum(self.selection.params))
         if not bool((sums == sums[0]).all()):
-            raise WeightDriftError(f"ES weights differ across ranks at iteration {self.global_step}: "
+            raise WeightDriftError(f"ES weights differ across ranks at iteration {iteration}: "
                                    f"checksums {sums.tolist()}")
 
     def _log_iteration(self, fitness: torch.Tensor, shaped: torch.Tensor, alpha: float, total: float,
