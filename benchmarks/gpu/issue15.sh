@@ -140,6 +140,7 @@ PY
   for mode in ${E2E_MODES:-lowrank full}; do
     steps=${E2E_STEPS:-3}; [ $mode = full ] && steps=1
     prof=""; [ -n "${E2E_PROFILE:-}" ] && prof="-m cProfile -o $OUT/e2e_$mode.prof"
+    rm -rf /tmp/e2e_$mode  # a second e2e on a warm machine: its own metrics.csv, not version_0's
     timeout 200 python3 $prof -m esrl.cli fit --config configs/es_conciseness.yaml --model.policy.name_or_path /tmp/qwen15b \
       --model.es.mode $mode --trainer.max_steps $steps --trainer.default_root_dir /tmp/e2e_$mode \
       --trainer.enable_progress_bar false ${E2E_ARGS:-} 2>&1 | quiet | tail -6
