@@ -1,5 +1,6 @@
 """slurm/fit.sbatch's run folder, read without SLURM (a fake srun that prints its command): the requeued job resumes
-from ROOT, so two configs of one name, or ES and --algo grpo of one config, must not share it."""
+from ROOT, so two configs of one name (configs/ and configs/demo/), or ES and --algo grpo of one config, must not
+share it."""
 
 from __future__ import annotations
 
@@ -28,11 +29,14 @@ def test_the_run_folder_tells_configs_and_algorithms_apart_and_is_set_by_root(tm
         words = out.stdout.split()
         return words[words.index("--trainer.default_root_dir") + 1]
 
-    assert root_of("configs/es_conciseness.yaml") == "runs/configs_es_conciseness"
-    assert root_of("configs/demo/es_conciseness.yaml") == "runs/demo_es_conciseness"
-    assert root_of("configs/es_conciseness.yaml", "--algo", "grpo") == "runs/configs_es_conciseness_grpo"
-    assert root_of("configs/es_conciseness.yaml", "--algo=grpo") == "runs/configs_es_conciseness_grpo"
-    assert root_of("configs/es_conciseness.yaml", root="runs/mine") == "runs/mine"
-    refused = _root_dir(tmp_path, "configs/es_conciseness.yaml", "--trainer.default_root_dir", "elsewhere")
+    gpu, demo = str(ROOT / "configs/es_conciseness.yaml"), str(ROOT / "configs/demo/es_conciseness.yaml")
+    assert root_of(gpu) == "runs/es_conciseness"  # the config's own default_root_dir, as `esrl fit` writes
+    assert root_of(demo) == "runs/demo_es_conciseness"  # was runs/es_conciseness too
+    assert root_of(gpu, "--algo", "grpo") == root_of(gpu, "--algo=grpo") == "runs/es_conciseness_grpo"
+    assert root_of(gpu, root="runs/mine") == "runs/mine"
+    bare = tmp_path / "bare.yaml"  # no default_root_dir of its own
+    bare.write_text("model: {}\n")
+    assert root_of(str(bare)) == "runs/bare"
+    refused = _root_dir(tmp_path, gpu, "--trainer.default_root_dir", "elsewhere")
     assert refused.returncode == 2 and refused.stderr.strip() == (
         "fit.sbatch: set ROOT=DIR instead of --trainer.default_root_dir (the requeued job resumes from ROOT)")
