@@ -29,7 +29,7 @@ from esrl.errors import ConfigError  # noqa: E402
 from esrl.grpo import LOSS_TYPES, GRPOConfig, GRPOLoss, group_advantages  # noqa: E402
 from esrl.grpo.loss import GLOBAL_TOKEN_LOSSES  # noqa: E402
 from esrl.grpo.importance import (  # noqa: E402
-    engine_correction, importance_sampling_ratio, importance_sampling_stats, sampling_stats)
+    engine_correction, importance_sampling_ratio, importance_sampling_values, sampling_stats)
 from esrl.models.logps import per_token_logps  # noqa: E402
 from esrl.rollout import EngineCapabilities  # noqa: E402
 
@@ -202,7 +202,7 @@ def test_vllm_importance_sampling_matches_trl(tiny_dir: Path, tmp_path: Path, mo
     if mode.startswith("sequence"):
         raw = raw.prod(-1, keepdim=True)
     assert not torch.allclose(ratio, raw)  # the truncation / mask changed some ratios
-    stats = importance_sampling_stats(out["old_per_token_logps"], ours_sampling, mask, ratio, mode)
+    stats = sampling_stats([importance_sampling_values(out["old_per_token_logps"], ours_sampling, mask, ratio, mode)])
     for key, value in stats.items():
         assert metrics[key] == pytest.approx(value.item(), abs=1e-5, rel=1e-5), key
     # esrl's window of two micro-batches, each corrected with its engine log-probs (NaN where none): sampling/* once

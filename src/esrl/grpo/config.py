@@ -1,8 +1,9 @@
 """GRPO hyperparameters (the `model.grpo` section); defaults are TRL 1.16's GRPOConfig ones where they apply.
 
 Sampling settings (temperature, top_p, max_new_tokens = TRL's max_completion_length) live in `model.rollout`,
-shared with ES and evaluation (max_new_tokens: 128, the ES paper's, not TRL's 512); prompts per step in `data.prompts_per_step`; gradient accumulation and clipping
-in `trainer` (accumulate_grad_batches, gradient_clip_val), as for any Lightning module.
+shared with ES and evaluation (max_new_tokens: 128, the ES paper's, not TRL's 512); prompts per step in
+`data.prompts_per_step`; gradient accumulation and clipping in `trainer` (accumulate_grad_batches,
+gradient_clip_val), as for any Lightning module.
 """
 
 from __future__ import annotations

@@ -67,13 +67,6 @@ def sampling_stats(values: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch
     }
 
 
-def importance_sampling_stats(old_per_token_logps: torch.Tensor, sampling_per_token_logps: torch.Tensor,
-                              mask: torch.Tensor, ratio: torch.Tensor, mode: str) -> dict[str, torch.Tensor]:
-    """sampling_stats of one batch."""
-    return sampling_stats([importance_sampling_values(old_per_token_logps, sampling_per_token_logps, mask, ratio,
-                                                      mode)])
-
-
 @torch.no_grad()
 def engine_correction(old_per_token_logps: torch.Tensor, engine_logprobs: Sequence[Sequence[float]],
                       mask: torch.Tensor, mode: str, clip_min: float | None,

@@ -20,17 +20,6 @@ from esrl.errors import RewardError
 from esrl.tasks.reward_values import as_number
 
 
-def metric_number(value: Any) -> float | None:
-    """log_metric's value as a float: a real number, or a bool as 0 / 1 (TRL sums them), numpy's and torch's scalars
-    included (np.all(...) is a numpy bool); None for anything else."""
-    if hasattr(value, "item") and not isinstance(value, (str, bytes)):
-        try:
-            value = value.item()
-        except (ValueError, RuntimeError, TypeError):
-            return None
-    return float(value) if isinstance(value, bool) else as_number(value)
-
-
 class RewardLogs:
     """The metrics reward functions logged since the last `take`; `context()` is what they are handed."""
 
@@ -42,7 +31,7 @@ class RewardLogs:
         return {"log_metric": self.log_metric, "log_extra": self.log_extra}
 
     def log_metric(self, name: str, value: float) -> None:
-        number = metric_number(value)
+        number = as_number(value, bools=True)
         if not isinstance(name, str) or not name or number is None:
             raise RewardError(f"a reward function called log_metric({name!r:.40}, {value!r:.40}): it takes a "
                               "metric's name (a non-empty str) and one number")

@@ -33,16 +33,17 @@ def reward_name(func: Any) -> str:
     return getattr(func, "__name__", None) or repr(func)
 
 
-def as_number(value: Any) -> float | None:
-    """A real number as float, None for anything else (bools and strings included)."""
+def as_number(value: Any, bools: bool = False) -> float | None:
+    """A real number as float, None for anything else (strings included; bools too, unless `bools`: log_metric takes
+    them as 0 / 1, as TRL sums them, numpy's and torch's included)."""
     if hasattr(value, "item") and not isinstance(value, (str, bytes)):  # numpy / torch scalars
         try:
             value = value.item()
         except (ValueError, RuntimeError, TypeError):
             return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return None
-    return float(value)
+    if isinstance(value, bool):
+        return float(value) if bools else None
+    return float(value) if isinstance(value, numbers.Real) else None
 
 
 def call_reward(label: str, func: Callable[..., Any], /, **kwargs: Any) -> Any:
