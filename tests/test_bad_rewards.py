@@ -122,6 +122,53 @@ def test_async_reward_functions_are_awaited_as_trl_awaits_them():
         _task(judge_down).rewards(task.train_rows, ["x", "y"])
 
 
+def test_async_reward_functions_run_together_as_trl_gathers_them():
+    """TRL's GRPOTrainer runs the async reward functions of a step together (asyncio.gather): two judges that each
+    wait for the other to have started finish only when they run at once (one after another, each gives up and
+    says so). The first in order of those that raise is the one named; a sync one that raises leaves no coroutine
+    unawaited."""
+    import asyncio
+    import gc
+    import warnings
+
+    started = set()
+
+    def waiting_for(me, other):
+        async def judge(prompts, completions, **kw):
+            started.add(me)
+            for _ in range(1000):
+                if other in started:
+                    return [1.0] * len(completions)
+                await asyncio.sleep(0)
+            return [0.0] * len(completions)  # gave up: the other never ran beside it
+
+        judge.__name__ = me
+        return judge
+
+    task = _task(waiting_for("a", "b"), waiting_for("b", "a"))
+    assert task.rewards(task.train_rows, ["x", "y"]) == [2.0, 2.0]
+
+    async def down(prompts, completions, **kw):
+        raise ConnectionError("judge 1 down")
+
+    async def down_too(prompts, completions, **kw):
+        raise ConnectionError("judge 2 down")
+
+    with pytest.raises(RewardError, match=r"^reward function down raised ConnectionError: judge 1 down$"):
+        _task(down, down_too).rewards(task.train_rows, ["x", "y"])
+
+    def broken(prompts, completions, **kw):
+        raise KeyError("answer")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(RewardError, match=r"^reward function broken raised KeyError"):
+            _task(waiting_for("c", "d"), broken).rewards(task.train_rows, ["x", "y"])
+        gc.collect()
+    assert not [w for w in caught if "never awaited" in str(w.message)]
+    assert "c" not in started
+
+
 def test_a_non_finite_es_update_is_refused_and_leaves_weights_unchanged():
     model = torch.nn.Linear(3, 2)
     before = [p.detach().clone() for p in model.parameters()]

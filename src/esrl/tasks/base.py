@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from esrl.errors import ConfigError
-from esrl.tasks.reward_values import call_reward, reward_floats, reward_name
+from esrl.tasks.reward_values import call_rewards, reward_floats, reward_name
 
 # A prompt is either raw text or a chat conversation (list of {"role", "content"} messages) that the
 # rollout engine renders with the tokenizer's chat template.
@@ -92,10 +92,10 @@ class Task:
         total = [0.0] * len(texts)
         scored = [not self.reward_funcs] * len(texts)  # with no reward function every total stands (0)
         self.last_bad, self.last_per_function = {}, {}
-        for w, f in zip(weights, self.reward_funcs):
+        labels = [f"reward function {reward_name(f)}" for f in self.reward_funcs]
+        raws = call_rewards(list(zip(labels, self.reward_funcs)), prompts=prompts, completions=completions, **kwargs)
+        for w, f, label, raw in zip(weights, self.reward_funcs, labels, raws):
             name = reward_name(f)
-            label = f"reward function {name}"
-            raw = call_reward(label, f, prompts=prompts, completions=completions, **kwargs)
             values = reward_floats(label, raw, len(texts))  # a sequence of len(texts) from here on
             scored = [s or v is not None for s, v in zip(scored, raw)]
             self.last_per_function[name] = [math.nan if r is None else v for r, v in zip(raw, values)]
@@ -118,12 +118,10 @@ class Task:
         prompts = self.prompts(rows)
         completions = self.as_completions(prompts, texts)
         kwargs = self._keywords(rows, completion_ids, context)
-        out = {}
-        for name, f in self.metric_funcs.items():
-            label = f"metric function {name}"
-            out[name] = reward_floats(label, call_reward(label, f, prompts=prompts, completions=completions, **kwargs),
-                                      len(texts))
-        return out
+        calls = [(f"metric function {name}", f) for name, f in self.metric_funcs.items()]
+        raws = call_rewards(calls, prompts=prompts, completions=completions, **kwargs)
+        return {name: reward_floats(label, raw, len(texts)) for (name, _), (label, _), raw in
+                zip(self.metric_funcs.items(), calls, raws)}
 
     def _keywords(self, rows: Sequence[dict[str, Any]], completion_ids: Sequence[Sequence[int]] | None,
                   context: dict[str, Any]) -> dict[str, Any]:

@@ -8,9 +8,9 @@ from its group's mean and std (advantage 0). Both log the count as `train/bad_re
 MAX_BAD_FRACTION of them are bad, or fewer than `min_usable` remain (ES: 2), stops the run with one line naming
 the reward function(s) and the step, before any weight changes.
 
-A reward function may be async (`async def`, as TRL accepts): its coroutine runs to its end on one event loop kept
-in a daemon thread, as TRL's GRPOTrainer keeps one, so clients it binds to that loop (an HTTP session) live on
-from step to step.
+A reward function may be async (`async def`, as TRL accepts): a step's async functions run together (gathered) on one
+event loop kept in a daemon thread, as TRL's GRPOTrainer runs them, so clients they bind to that loop (an HTTP
+session) live on from step to step.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import math
 import numbers
 import os
 import threading
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from esrl.errors import EsrlError, RewardError
 
@@ -46,25 +46,44 @@ def as_number(value: Any, bools: bool = False) -> float | None:
     return float(value) if isinstance(value, numbers.Real) else None
 
 
-def call_reward(label: str, func: Callable[..., Any], /, **kwargs: Any) -> Any:
-    """A reward or metric function's values; one it raises is a RewardError naming it by `label` ("reward function
-    NAME"; a TypeError: the signature TRL's reward functions take). esrl's own errors (a scorer's) pass as they are."""
-    try:
-        values = func(**kwargs)
-        if inspect.isawaitable(values):  # an async reward function: awaited on the event loop (TRL's asyncio path)
-            values = asyncio.run_coroutine_threadsafe(_awaited(values), _event_loop()).result()
-        return values
-    except EsrlError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the user's code: whatever it raises is its culprit's
-        hint = (" (reward and metric functions take f(prompts, completions, **kwargs): the rows' columns, "
-                "completion_ids, trainer_state, log_metric and log_extra come as keywords)"
-                if isinstance(e, TypeError) else "")
-        raise RewardError(f"{label} raised {type(e).__name__}: {e}{hint}") from e
+def call_rewards(calls: Sequence[tuple[str, Callable[..., Any]]], /, **kwargs: Any) -> list[Any]:
+    """Each (label, function)'s values, in order. Sync functions run one after another; the coroutines of async ones
+    (`async def`, as TRL accepts) then run together on one event loop, as TRL's GRPOTrainer gathers them (a judge
+    that waits on an HTTP server costs the slowest one's wait, not their sum). One that raises is a RewardError
+    naming it by its label ("reward function NAME"; a TypeError: the signature TRL's reward functions take), the
+    first in `calls` order; esrl's own errors (a scorer's) pass as they are."""
+    values: list[Any] = []
+    for label, func in calls:
+        try:
+            values.append(func(**kwargs))
+        except BaseException as e:
+            for v in values:  # the async ones' coroutines, never to run: closed, not left to warn
+                if inspect.iscoroutine(v):
+                    v.close()
+            _raise_as_culprit(label, e)
+    pending = [i for i, v in enumerate(values) if inspect.isawaitable(v)]
+    if pending:
+        results = asyncio.run_coroutine_threadsafe(_gathered([values[i] for i in pending]), _event_loop()).result()
+        for i, result in zip(pending, results):
+            if isinstance(result, BaseException):
+                _raise_as_culprit(calls[i][0], result)
+            values[i] = result
+    return values
 
 
-async def _awaited(awaitable: Any) -> Any:
-    return await awaitable
+def _raise_as_culprit(label: str, e: BaseException) -> None:
+    """Raise what a reward or metric function raised: a RewardError naming it, or esrl's own errors and Ctrl+C as
+    they are."""
+    if isinstance(e, EsrlError) or not isinstance(e, Exception):
+        raise e
+    hint = (" (reward and metric functions take f(prompts, completions, **kwargs): the rows' columns, "
+            "completion_ids, trainer_state, log_metric and log_extra come as keywords)"
+            if isinstance(e, TypeError) else "")
+    raise RewardError(f"{label} raised {type(e).__name__}: {e}{hint}") from e
+
+
+async def _gathered(awaitables: list[Any]) -> list[Any]:
+    return await asyncio.gather(*awaitables, return_exceptions=True)
 
 
 _loop: tuple[int, asyncio.AbstractEventLoop] | None = None  # (the process that started it, the loop)
