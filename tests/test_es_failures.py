@@ -95,3 +95,47 @@ def test_a_run_whose_final_save_fails_keeps_its_interrupted_checkpoint(tiny_mode
     assert "save_final failed" in str(module.error) and spent.is_file()
     _fit(tiny_model, tmp_path, steps=1, callbacks=[Interruption()])
     assert not spent.exists() and (tmp_path / "final" / "model.safetensors").is_file()
+
+
+def test_a_checkpoint_saved_when_a_step_fails_resumes_with_that_steps_prompt(tiny_model, tmp_path):
+    """A reward that fails at iteration 1 (a scorer outage): Lightning's save_on_exception checkpoint counted that
+    iteration's prompt as consumed, so the resumed run skipped it and ended in other weights than a run never
+    stopped. The data position holds the prompts whose step completed: the resumed run takes the same prompts and
+    ends in the same weights, bit for bit."""
+    whole = _fit(tiny_model, tmp_path / "whole", steps=3)
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_on_exception=True, every_n_train_steps=100)
+    failed = _fit(tiny_model, tmp_path / "failed", steps=3, callbacks=[saver, FailAt(lambda m: m.task, "rewards", 1)])
+    assert "rewards failed" in str(failed.error)
+    (saved,) = (tmp_path / "ckpt").glob("*.ckpt")
+    ckpt = torch.load(saved, map_location="cpu", weights_only=False)
+    assert ckpt["global_step"] == 1 and ckpt["PromptDataModule"] == {"epoch": 0, "batches": 1}
+    resumed = _fit(tiny_model, tmp_path / "resumed", steps=3, ckpt_path=str(saved))
+    assert not hasattr(resumed, "error")
+    after = dict(resumed.policy.named_parameters())
+    assert all(torch.equal(p, after[n]) for n, p in whole.policy.named_parameters())
+
+
+def test_an_es_step_that_fails_part_way_through_its_gradient_leaves_no_grad(monkeypatch):
+    """es_step drops its grads however it ends; a failure while the gradient is still being set (an OOM drawing
+    its noise, group by group) left the groups set so far holding theirs, a gradient's memory for nothing."""
+    from esrl.es import update
+    from esrl.es.noise import population
+    from esrl.es.params import select_params
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 5))  # groups of other shapes
+    selection = select_params(model)
+    real = update.es_gradient_groups
+
+    def failing(*args, **kwargs):
+        for k, group in enumerate(real(*args, **kwargs)):
+            if k == 2:
+                raise RuntimeError("out of memory (injected)")
+            yield group
+
+    monkeypatch.setattr(update, "es_gradient_groups", failing)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="injected"):
+        update.es_step(torch.optim.SGD(selection.params, lr=0.1), selection, population(0, 1, 4),
+                       torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64))
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))

@@ -286,3 +286,66 @@ def test_a_steps_min_max_metrics_take_each_micro_batch_over_processes_first() ->
 
     assert ours["train/clip_ratio/low_min"] == pytest.approx(trl_log([nanmin(low[:, k]).item() for k in range(3)]))
     assert ours["train/clip_ratio/high_max"] == pytest.approx(trl_log([nanmax(high[:, k]).item() for k in range(3)]))
+
+
+@pytest.mark.parametrize("delta", [None, 1.1], ids=["no_delta", "delta"])
+def test_token_mean_metrics_pool_every_process_tokens_as_trl(tiny_dir: Path, tmp_path: Path, delta) -> None:
+    """Two processes with 10 and 23 loss tokens: TRL's token means (kl, entropy, clip ratios) sum each process's
+    numerator and count before dividing (global_masked_mean), so a token weighs the same on either; a mean of the
+    two processes' means does not. TRL's compute_loss runs as rank 0 with its accelerator's reduce and gather
+    answering rank 1's recorded values. With delta (two-sided clipping) at or below 1 + epsilon_high, TRL counts high
+    clipping on the capped ratio (none)."""
+    from esrl.grpo.step_metrics import loss_metrics
+
+    trainer = _trainer(tiny_dir, tmp_path, _no_reward, loss_type="dapo", beta=0.04, delta=delta)
+    policy = LlamaForCausalLM.from_pretrained(tiny_dir)
+    ref = copy.deepcopy(policy).eval().requires_grad_(False)
+    _perturb(policy)
+    _perturb(trainer.model)
+    batch = _batch(tiny_dir)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    attn = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    advantages = group_advantages(REWARDS, G)
+    noise = 0.3 * torch.randn(ids.shape[0], T, generator=torch.Generator().manual_seed(3))
+    shards = [torch.tensor([1, 3, 5, 6]), torch.tensor([0, 2, 4, 7])]  # rank 0, rank 1
+    assert [int(batch["completion_mask"][s].sum()) for s in shards] == [10, 23]
+
+    def trl_inputs(rows):
+        with torch.no_grad():
+            current, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids[rows], attn[rows], T)
+            ref_trl, _, _ = trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids[rows], attn[rows], T)
+        return {**{k: v[rows] for k, v in batch.items()}, "advantages": advantages[rows],
+                "old_per_token_logps": current + noise[rows], "ref_per_token_logps": ref_trl,
+                "num_items_in_batch": batch["completion_mask"].sum()}
+
+    accelerator, reduced, gathered = trainer.accelerator, [], []
+    accelerator.reduce = lambda t, reduction="sum": reduced.append(t.detach().clone()) or t
+    accelerator.gather = lambda t: gathered.append(t.detach().clone()) or t
+    with torch.no_grad():
+        trainer.compute_loss(trainer.model, trl_inputs(shards[1]))  # rank 1: what it hands to the collectives
+    trainer._metrics["train"].clear()
+    from_rank_1, gathered_1 = iter(reduced), iter(gathered)
+    accelerator.reduce = lambda t, reduction="sum": t + next(from_rank_1)
+    accelerator.gather = lambda t: torch.cat([t, next(gathered_1)])
+    with torch.no_grad():
+        trainer.compute_loss(trainer.model, trl_inputs(shards[0]))
+    theirs = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+    stats = []
+    for rows in shards:
+        logps, entropies = per_token_logps(policy, ids[rows], attn[rows], T, TEMPERATURE, True)
+        with torch.no_grad():
+            ref_ours = per_token_logps(ref, ids[rows], attn[rows], T, temperature=TEMPERATURE)
+            stats.append(GRPOLoss(beta=0.04, loss_type="dapo", delta=delta)(
+                logps, logps.detach() + noise[rows], advantages[rows], batch["completion_mask"][rows],
+                ref_per_token_logps=ref_ours, entropies=entropies)[1])
+    sent = []
+    loss_metrics([stats[1]], lambda local: sent.append(local) or local.unsqueeze(0))
+    ours = loss_metrics([stats[0]], lambda local: torch.stack([local, sent[0]]))
+    assert {"kl", "entropy", "clip_ratio/high_mean", "clip_ratio/low_mean"} <= stats[0].keys()
+    for key in stats[0]:
+        assert ours[f"train/{key}"] == pytest.approx(theirs[key], abs=TOL), key
+    means = [s["clip_ratio/region_mean"].item() for s in stats]
+    assert ours["train/clip_ratio/region_mean"] != pytest.approx(sum(means) / 2, abs=1e-3)  # the counts matter here
+    if delta is not None:
+        assert ours["train/clip_ratio/high_mean"] == 0 and ours["train/clip_ratio/high_max"] == 0

@@ -41,8 +41,9 @@ def _fit(tiny_model, root, reward, scale_rewards: str = "group", callbacks=(), *
               logger=CSVLogger(root, name="", version=""), log_every_n_steps=1,
               callbacks=[Reward(), Evaluation(before=False, after=False), *callbacks]).fit(module, datamodule=data)
     with open(root / "metrics.csv") as f:
-        (row,) = [r for r in csv.DictReader(f) if r.get("train/reward_mean")]
-    return module, {k: float(v) for k, v in row.items() if v}
+        rows = list(csv.DictReader(f))
+    (step,) = {r["step"] for r in rows if r.get("train/reward_mean")}  # the step's rows: Lightning's, its samples'
+    return module, {k: float(v) for r in rows if r["step"] == step for k, v in r.items() if v}
 
 
 def _first_answer():
@@ -63,6 +64,16 @@ def test_step_metrics_cover_every_micro_batch_of_the_step(tiny_model, tmp_path):
     assert math.isclose(row["train/reward_std"], float(rewards.std()), rel_tol=1e-6)
     assert row["train/reward_group_std"] == 0.0 and row["train/frac_reward_zero_std"] == 1.0
     assert row["train/unscorable"] == 0 and row["train/bad_rewards"] == 0
+
+
+def test_frac_reward_zero_std_is_trls_share_of_rewards_scaled_by_a_zero_std(tiny_model, tmp_path):
+    """TRL's frac_reward_zero_std counts the rewards whose scaling std is 0: with scale_rewards batch that is the
+    whole batch's std (here 0.52: no reward), not the groups' (both 0, as reward_group_std shows)."""
+    first = _first_answer()
+    _, row = _fit(tiny_model, tmp_path, lambda prompts, completions, answer, **_: [
+        float(a == first) for a in answer], "batch")
+    assert row["train/reward_group_std"] == 0.0 and row["train/reward_std"] > 0
+    assert row["train/frac_reward_zero_std"] == 0.0
 
 
 def test_batch_scaled_advantages_take_the_std_of_the_whole_step(tiny_model, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import sys
 import threading
@@ -228,3 +229,47 @@ def test_one_step_fit_through_the_cli(tiny_model, tmp_path):
     for record in lines:
         assert {"accuracy", "format", "unparsed", "timeout", "pass@1", "pass@2", "reward"} <= record.keys()
         assert 0.0 <= record["unparsed"] <= 1.0
+
+
+PARENT = r'''
+import sys
+from esrl.tasks.math_verifier import MathVerifier
+verifier = MathVerifier(time_limit=600)
+verifier.verify(["72"], ["72"])
+print(verifier._proc.pid, flush=True)
+verifier.verify(["72"], [sys.argv[1]])  # minutes of big-integer arithmetic in C, no timer gets through
+'''
+
+
+def test_the_verifier_child_dies_with_a_parent_killed_mid_completion():
+    """A parent SIGKILLed (the OOM killer, srun past its grace period) while its child verified a costly completion
+    left the child running on in its own session, an orphan computing 7^300000000 for minutes: the kernel now
+    kills it with its parent."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pytest.importorskip("math_verify")
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, r"The answer is $\boxed{7^{300000000}}$"],
+                              stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    try:
+        time.sleep(2)  # inside the costly completion
+        assert parent.poll() is None and os.path.exists(f"/proc/{child}")
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{child}") and _state(child) != "Z" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not os.path.exists(f"/proc/{child}") or _state(child) == "Z"
+    finally:
+        if os.path.exists(f"/proc/{child}"):
+            os.kill(child, signal.SIGKILL)
+
+
+def _state(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"

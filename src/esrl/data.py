@@ -67,7 +67,9 @@ class PromptDataModule(L.LightningDataModule):
         Args:
             task: task name (conciseness, countdown, jsonl, math, pku_saferlhf) or a 'module:function' returning a
                 Task.
-            task_args: the task builder's options (data paths, sizes, reward functions).
+            task_args: the task builder's options (data paths, sizes, reward functions), each with its default in
+                the docstring of the task's build function: `python -m pydoc esrl.tasks.math.build` (conciseness,
+                countdown, jsonl, math, pku_saferlhf); an unknown option is refused in one line.
             prompts_per_step: prompts per ES iteration / GRPO micro-batch (per process under GRPO data
                 parallelism; a GRPO optimizer step takes trainer.accumulate_grad_batches of them). At most the
                 number of training prompts (under GRPO, each process's share; with accumulation, the window's):
@@ -93,6 +95,8 @@ class PromptDataModule(L.LightningDataModule):
         self.seed = seed
         self._sampler: PromptSampler | None = None
         self._consumed = (0, 0)  # (epoch, batches of that epoch handed to a training step)
+        self._committed = (0, 0)  # the same, up to the last batch whose optimizer step completed
+        self._handed_at: int | None = None  # trainer.global_step when the last batch was handed over
         self._resume: tuple[int, int] | None = None
 
     def train_dataloader(self) -> DataLoader:
@@ -130,16 +134,25 @@ class PromptDataModule(L.LightningDataModule):
         # Runs when a batch reaches the training step (not when the loader prefetches it), so the count
         # below is exactly what training consumed: the position a resume starts from.
         if self.trainer is not None and self.trainer.training and self._sampler is not None:
+            step = self.trainer.global_step
+            if self._handed_at is None or step > self._handed_at:  # the batches handed so far took their step
+                self._committed = self._consumed
             epoch = self._sampler.epoch
             done = self._consumed[1] + 1 if self._consumed[0] == epoch else 1
-            self._consumed = (epoch, done)
+            self._consumed, self._handed_at = (epoch, done), step
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self._consumed[0], "batches": self._consumed[1]}
+        """The position after the last batch whose optimizer step completed: a checkpoint saved while a step failed
+        (Lightning's save_on_exception) or inside an accumulation window resumes with that step's batches again,
+        not past them."""
+        stepped = self._handed_at is None or self.trainer is None or self.trainer.global_step > self._handed_at
+        epoch, batches = self._consumed if stepped else self._committed
+        return {"epoch": epoch, "batches": batches}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._consumed = (state["epoch"], state["batches"])
+        self._consumed = self._committed = (state["epoch"], state["batches"])
+        self._handed_at = None
         self._resume = self._consumed
 
 

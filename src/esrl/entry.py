@@ -18,7 +18,8 @@ PRESSED: list[int] = []
 """Ctrl+C presses seen before esrl.callbacks.interruption took SIGINT over (the signal numbers)."""
 
 
-def _on_sigint(signum, frame) -> None:
+def on_sigint(signum, frame) -> None:
+    """A Ctrl+C: noted in PRESSED (esrl's line and exit 130 however Lightning ends), then KeyboardInterrupt."""
     PRESSED.append(signum)
     raise KeyboardInterrupt
 
@@ -30,7 +31,7 @@ def _unraisable(unraisable) -> None:
 
 
 def main() -> None:
-    signal.signal(signal.SIGINT, _on_sigint)  # esrl.callbacks.interruption takes SIGINT over during training
+    signal.signal(signal.SIGINT, on_sigint)  # esrl.callbacks.interruption takes SIGINT over during training
     sys.unraisablehook = _unraisable
     try:
         from esrl.cli import main as run

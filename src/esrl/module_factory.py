@@ -67,6 +67,10 @@ def fit_trainer_to_algo(algo: str, trainer: Any) -> list[str]:
             trainer.accumulate_grad_batches = 1
     elif algo == "grpo" and name == "es":
         trainer.strategy = "auto"
+    elif algo == "grpo" and name is not None and name.startswith("ddp_spawn"):  # its child unpickles the module
+        raise ConfigError(f"trainer.strategy {name}: GRPO cannot start spawned processes (they would need to "
+                          "unpickle the module class the CLI builds); use ddp, which launches one process a "
+                          "device, as torchrun and srun do")
     elif algo == "grpo" and name is not None and ("fsdp" in name.lower()):
         raise ConfigError(f"trainer.strategy {name}: GRPO under FSDP is not supported yet (esrl reads the policy's "
                           "weights whole for generate, the vLLM sync and the final save); use ddp, or "

@@ -145,6 +145,15 @@ class PolicyModule(L.LightningModule):
         own = [k.removeprefix("train/") for k in logged]
         return {f"train/{k}": v for k, v in self.reward_logs.take(reserved=own).items()}
 
+    def log_once(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Metrics of one step's own rollouts, straight to the loggers at `step` (default: this one) on global rank 0,
+        as the evaluation callback logs: a self.log value is logged again at every later step of its epoch
+        (Lightning keeps it until the epoch ends), so GRPO's window reused for num_iterations steps would count its
+        rollouts that many times."""
+        if metrics and self.trainer.is_global_zero:
+            for logger in self.trainer.loggers:
+                logger.log_metrics(metrics, step=self.global_step if step is None else step)
+
     def score_rows(self, rows: Sequence[dict[str, Any]], completions, pool: bool = False) -> dict[str, list[float]]:
         """Per-sample task reward and metrics of completions (one per row); a metric a reward function logged
         (log_metric) counts its calls' mean for every sample (`pool`: every process's calls, a collective)."""

@@ -17,6 +17,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from esrl.callbacks.interruption import final_phase
 from esrl.errors import RewardError
 from esrl.metrics import hacking_indicators, k3_kl, pass_at_k, special_token_share
 from esrl.rollout.hf import end_token_ids
@@ -97,7 +98,8 @@ class Evaluation(L.Callback):
 
     def on_train_end(self, trainer, module) -> None:
         if self.after:
-            self._run(trainer, module, "after")
+            with final_phase():  # a signal stops it at once, with a checkpoint (esrl.callbacks.interruption)
+                self._run(trainer, module, "after")
         if trainer.is_global_zero and len(self.history) >= 2:
             first, last = self.history[0], self.history[-1]
             rank_zero_info(f"[eval] reward {first['reward']:.4g} (step {first['step']}) -> "
@@ -107,7 +109,8 @@ class Evaluation(L.Callback):
         """A run resumed from its last step trains nothing (Lightning skips on_train_end): the final evaluation
         the interrupted run did not finish (a scorer outage) runs here, before final/ is written."""
         if self.after and trainer.global_step != self._last_step:
-            self._run(trainer, module, "after")
+            with final_phase():
+                self._run(trainer, module, "after")
 
     # -- evaluation ----------------------------------------------------------------------------------
     def evaluate(self, module) -> tuple[dict[str, float], list[dict[str, Any]]]:

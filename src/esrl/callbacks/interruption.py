@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import csv
 import signal
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,21 @@ SIGNALS = (None, "SIGTERM", "SIGINT")  # by strength: a Ctrl+C on any rank names
 BEFORE_RESUME = "metrics.csv.before-resume"
 CHECKPOINT = "interrupted.ckpt"
 interrupted_by: str | None = None  # the signal that stopped the last fit in this process (read by esrl.cli)
+_final_phase = False  # while the final evaluation runs (final_phase)
+
+
+@contextmanager
+def final_phase():
+    """The evaluation after training's last step: a signal there stops it at once on one process (a scheduler's
+    SIGTERM leaves minutes, a large model's evaluation may take longer) with interrupted.ckpt at the last step, whose
+    resume runs the evaluation again; on several processes, whose collectives a stop inside a signal handler would
+    leave out of step, it is taken right after the evaluation (Interruption.on_fit_end)."""
+    global _final_phase
+    _final_phase = True
+    try:
+        yield
+    finally:
+        _final_phase = False
 
 
 def kept_rows(path: Path, resumed_step: int) -> list[dict[str, Any]]:
@@ -68,6 +84,7 @@ class Interruption(L.Callback):
         self._saved_at: int | None = None
         self._step_before = -1
         self._pending = 0  # the strongest signal noted on this rank since the fit started (SIGNALS' index)
+        self._world_size = 1
 
     def on_train_start(self, trainer, pl_module) -> None:
         global interrupted_by
@@ -75,6 +92,7 @@ class Interruption(L.Callback):
         self._pending = 0
         self._saved_at = None
         self._announce = trainer.is_global_zero  # one "stopping" line for a terminal's Ctrl+C to every rank
+        self._world_size = trainer.world_size
         # After Lightning registered its handlers (it restores the previous ones at teardown).
         if _main_thread():
             self._lightning_sigterm = signal.signal(signal.SIGTERM, self._on_signal)
@@ -83,24 +101,50 @@ class Interruption(L.Callback):
 
         if entry.PRESSED:  # a Ctrl+C before training whose KeyboardInterrupt a finalizer swallowed: stop now
             self._on_signal(signal.SIGINT, None)
+        # A SIGTERM Lightning's handler took before esrl's (data setup, the on_train_start of callbacks listed
+        # earlier): Lightning would stop after the first batch, inside a GRPO accumulation window, in a checkpoint
+        # that cannot resume. Stopped here instead, at a step boundary.
+        early = torch.tensor(int(trainer.received_sigterm), device=trainer.strategy.root_device)
+        if trainer.world_size > 1:
+            early = trainer.strategy.reduce(early, reduce_op="max")
+        if int(early):
+            interrupted_by = "SIGTERM"
+            self._save(trainer, pl_module)
+            raise SIGTERMException()
 
     def _on_signal(self, signum, frame) -> None:
-        """Only noted here: handed to Lightning at the end of the step (on_train_batch_end)."""
+        """Only noted here: handed to Lightning at the end of the step (on_train_batch_end), or, in the final
+        evaluation on one process, at once (final_phase)."""
+        global interrupted_by
+        from esrl import entry
+
         name = signal.Signals(signum).name
+        now = _final_phase and self._world_size == 1
         if name == "SIGINT":
-            signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl+C stops at once
+            signal.signal(signal.SIGINT, entry.on_sigint)  # a second Ctrl+C stops at once, with esrl's line
             if self._announce:
-                print("esrl: SIGINT: stopping after this step with a resumable checkpoint (Ctrl+C again to stop "
-                      "now)", flush=True)
+                print(f"esrl: SIGINT: stopping {'the final evaluation now' if now else 'after this step'} with a "
+                      "resumable checkpoint (Ctrl+C again to stop now)", flush=True)
         self._pending = max(self._pending, SIGNALS.index(name))
+        if now:
+            interrupted_by = SIGNALS[self._pending]
+            raise SIGTERMException()  # on_exception saves interrupted.ckpt
 
     def on_train_batch_start(self, trainer, pl_module, *args) -> None:
         self._step_before = trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, *args) -> None:
-        global interrupted_by
         if trainer.global_step == self._step_before:
             return  # inside an accumulation window: its rollouts are in no checkpoint, so stop after its last batch
+        self._stop_if_signalled(trainer, pl_module)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        """A signal during the final evaluation on several processes (or right after it): stop before final/ (the
+        fit loop is over, so Lightning's graceful stop would not come: raised here)."""
+        self._stop_if_signalled(trainer, pl_module, loop_over=True)
+
+    def _stop_if_signalled(self, trainer, pl_module, loop_over: bool = False) -> None:
+        global interrupted_by
         pending = self._pending
         if trainer.world_size > 1:  # every rank stops after the same step, naming the same signal
             flag = torch.tensor(pending, device=trainer.strategy.root_device)
@@ -109,7 +153,7 @@ class Interruption(L.Callback):
             return
         interrupted_by = SIGNALS[pending]
         self._save(trainer, pl_module)
-        if callable(self._lightning_sigterm):  # Lightning's graceful stop, on every rank at once
+        if callable(self._lightning_sigterm) and not loop_over:  # Lightning's graceful stop, every rank at once
             self._lightning_sigterm(signal.SIGTERM, None)
         else:
             raise SIGTERMException()

@@ -118,8 +118,8 @@ def es_step(optimizer: torch.optim.Optimizer, selection: ParamSelection, members
     gradient in the weights' dtype per perturbed tensor during the step, as for any optimizer. A non-finite g
     is refused before the step and non-finite weights after it stop the run (esrl.finite; `iteration` names it).
     """
-    set_es_grads(selection, members, weights, spec)
-    try:
+    try:  # a failure part way through the gradient (an OOM drawing its noise) drops the grads set so far too
+        set_es_grads(selection, members, weights, spec)
         check_gradient([p.grad for p in selection.params], algo="ES", step=iteration)
         (step or optimizer.step)()
     finally:

@@ -12,7 +12,7 @@ as an argument. Not ported: off-policy sequence masks (off_policy_mask_threshold
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from torch import nn
@@ -23,7 +23,19 @@ from esrl.grpo.reductions import GLOBAL_TOKEN_LOSSES, LOSS_TYPES, reduce_loss
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 CLIPPED_LOSSES: tuple[str, ...] = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
-__all__ = ["CLIPPED_LOSSES", "GLOBAL_TOKEN_LOSSES", "LOSS_TYPES", "GRPOLoss", "LossType"]
+__all__ = ["CLIPPED_LOSSES", "GLOBAL_TOKEN_LOSSES", "LOSS_TYPES", "GRPOLoss", "LossType", "PooledMean"]
+
+
+class PooledMean(NamedTuple):
+    """A mean over tokens (or sequences) that processes pool before dividing, as TRL's global_masked_mean sums each
+    process's numerator and count first: the mean of per-process means would weigh a process with 10 tokens as one
+    with 1,000. `item()`: this process's own mean."""
+
+    total: torch.Tensor
+    count: torch.Tensor
+
+    def item(self) -> float:
+        return float(self.total / self.count.clamp(min=1.0))
 
 
 def _nan_reduce(x: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -78,7 +90,7 @@ class GRPOLoss(nn.Module):
                 ref_per_token_logps: torch.Tensor | None = None,
                 num_items_in_batch: torch.Tensor | float | None = None, num_processes: int = 1,
                 accumulate_grad_batches: int = 1, importance_sampling_ratio: torch.Tensor | None = None,
-                entropies: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                entropies: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor | PooledMean]]:
         """Logps and mask are [B, T], advantages [B] or [B, T]. Old logps None means on-policy (as in TRL:
         the ratio is 1 but still carries the gradient). num_items_in_batch: active tokens of the whole
         generation batch (all micro-batches of the optimizer step, all processes; dapo, cispo and vespo
@@ -86,8 +98,8 @@ class GRPOLoss(nn.Module):
         (esrl.grpo.importance), [B, T] or [B, 1]; multiplies the per-token loss, or enters vespo's weight.
         entropies: the policy's per-token entropies [B, T] (esrl.models.logps), a metric only.
 
-        Returns the scalar loss and detached stats named like TRL's metrics: entropy (given entropies: their token
-        mean over the mask); kl (beta != 0 only; the mean
+        Returns the scalar loss and detached stats named like TRL's metrics (token means as PooledMean): entropy
+        (given entropies: their token mean over the mask); kl (beta != 0 only; the mean
         bias-corrected per-token KL); clipped losses: clip_ratio/{low,high,region}_mean (token means),
         clip_ratio/low_min and clip_ratio/high_max (over per-sequence means); cispo: cispo_clip_ratio; vespo:
         vespo/phi_seq_mean.
@@ -128,19 +140,22 @@ class GRPOLoss(nn.Module):
 
         loss = reduce_loss(per_token_loss, mask, self.loss_type, self.max_completion_length,
                            num_items_in_batch, num_processes, accumulate_grad_batches)
+        if self.loss_type in CLIPPED_LOSSES and self.delta is not None:  # TRL counts clipping on the capped ratio
+            coef_1 = torch.clamp(coef_1, max=self.delta)
         stats = self._stats(coef_1, advantages, mask, per_token_kl, phi)
         if entropies is not None:
-            stats["entropy"] = ((entropies * mask).sum() / mask.sum().clamp(min=1.0)).detach()
+            stats["entropy"] = PooledMean((entropies * mask).sum().detach(), mask.sum())
         return loss, stats
 
     @torch.no_grad()
     def _stats(self, coef_1: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-               per_token_kl: torch.Tensor | None, phi: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """This process's versions of TRL's metrics (TRL sums numerators and counts over processes first)."""
-        def mean(x: torch.Tensor) -> torch.Tensor:  # token mean; one value per sequence: sequence mean
+               per_token_kl: torch.Tensor | None, phi: torch.Tensor | None) -> dict[str, torch.Tensor | PooledMean]:
+        """This process's parts of TRL's metrics: token means as PooledMean (pooled over processes, then divided),
+        the per-sequence min and max as values."""
+        def mean(x: torch.Tensor) -> PooledMean:  # token mean; one value per sequence: sequence mean
             if x.size(-1) == 1:  # as TRL: also when the batch is one token wide
-                return x.sum() / x.size(0)
-            return (x * mask).sum() / mask.sum().clamp(min=1.0)
+                return PooledMean(x.sum(), x.new_tensor(float(x.size(0))))
+            return PooledMean((x * mask).sum(), mask.sum())
 
         def seq_mean(x: torch.Tensor) -> torch.Tensor:  # NaN for empty sequences, skipped by _nan_reduce
             if x.size(-1) == 1:  # as TRL: also when the batch is one token wide

@@ -40,7 +40,8 @@ from esrl.grpo.loss import GLOBAL_TOKEN_LOSSES, GRPOLoss
 from esrl.grpo.optim import built, default_adamw, default_schedule
 from esrl.grpo.reference import FrozenReference
 from esrl.grpo.rollout_batch import RolloutBatch, Scores, reuse_state, reused, rollout_tensors
-from esrl.grpo.step_metrics import OTHER_HOOKS, sample_metrics, window_loss_metrics, window_samples
+from esrl.grpo.step_metrics import (OTHER_HOOKS, loss_metrics, sample_metrics, window_samples,
+                                     window_sampling_metrics)
 from esrl.models.loading import load_causal_lm
 from esrl.models.logps import per_token_logps
 from esrl.models.lora import GRPO_FIELDS, is_peft, policy_adapter, wrap_lora
@@ -78,6 +79,7 @@ class GRPOModule(PolicyModule):
             rank_zero_warn(message)
         self.reference: FrozenReference | None = None  # beta > 0; outside the module tree, see FrozenReference
         self._rollouts: list[RolloutBatch] = []  # this optimizer step's micro-batches, reused for mu steps
+        self._window_sampled = False  # whether this optimizer step rolled out its window (else reused it)
         self._step_start = 0.0
         self._step_costs: list[float] = []  # costs of this optimizer step's rollouts (tasks with a cost)
         self._window_log: list[tuple[RolloutBatch, dict[str, torch.Tensor]]] = []  # logged once the window closes
@@ -178,14 +180,14 @@ class GRPOModule(PolicyModule):
         # zero_grad): batch_idx counts this epoch's batches, and an epoch's last window may be short.
         accumulate = self.trainer.accumulate_grad_batches
         micro_batch = batch_idx % accumulate
-        if micro_batch == 0:
-            self._step_loss = 0.0
-            self._window_log = []
+        if micro_batch == 0:  # a new window: rolled out by this step (_window_sampled), or reused
+            self._step_loss, self._window_log, self._window_sampled = 0.0, [], False
         # DeepSpeed: Lightning calls optimizer_step and on_before_optimizer_step every micro-batch; steps on the last
         self._closes_window = micro_batch == accumulate - 1 or batch_idx + 1 == self.trainer.num_training_batches
         window_start = micro_batch == 0 and self.global_step % self.grpo.num_iterations == 0
         if window_start or micro_batch >= len(self._rollouts):  # a resumed run may start mid-window: from there on
             self.roll_out_window(batch, micro_batch)
+            self._window_sampled = True
         rollout = self._rollouts[micro_batch]
 
         logps, entropies = per_token_logps(self.policy, rollout.input_ids, rollout.attention_mask,
@@ -303,22 +305,24 @@ class GRPOModule(PolicyModule):
     # -- logging ---------------------------------------------------------------------------------------------
     def _log_step(self, rollout: RolloutBatch, stats: dict[str, torch.Tensor]) -> None:
         """Keep a micro-batch's rollout and loss stats; at its window's last, log the optimizer step's metrics over
-        all of them, as TRL over its generation batch (Lightning logs one value a step, the last it was given), from
-        every process's values (step_metrics): the same on each."""
+        all of them from every process's values (step_metrics), as TRL over its generation batch."""
         self._window_log.append((rollout, stats))
         if not self._closes_window:
             return
         rollouts, stats = zip(*self._window_log)
         self._window_log = []
-        samples = {k: self.gathered(v).reshape(-1) for k, v in window_samples(rollouts).items()}
-        metrics = sample_metrics(samples, self.grpo.num_generations)
-        metrics["train/lr"] = self.trainer.optimizers[0].param_groups[0]["lr"]
-        metrics.update(window_loss_metrics(rollouts, stats, self.gathered))
-        metrics.update(self.reward_metrics([*metrics, *OTHER_HOOKS]))  # what reward functions logged
-        batch_size = int(samples["rewards"].numel())
+        metrics = {"train/lr": self.trainer.optimizers[0].param_groups[0]["lr"]}
+        metrics.update(loss_metrics(stats, self.gathered))
+        batch_size = sum(int(x.rewards.numel()) for x in rollouts) * self.trainer.world_size
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=batch_size)
-        self.log("reward", metrics["train/reward_mean"], prog_bar=True, on_step=True, on_epoch=False, logger=False,
-                 batch_size=batch_size)
+        sampled = {}  # a reused window's were logged on the step that sampled it, once, as TRL logs them
+        if self._window_sampled:
+            samples = {k: self.gathered(v).reshape(-1) for k, v in window_samples(rollouts).items()}
+            sampled = {**sample_metrics(samples, self.grpo.num_generations, self.grpo.scale_rewards),
+                       **window_sampling_metrics(rollouts, self.gathered)}
+            self.log("reward", sampled["train/reward_mean"], prog_bar=True, logger=False, batch_size=batch_size)
+        sampled.update(self.reward_metrics([*metrics, *sampled, *OTHER_HOOKS]))  # what reward functions logged
+        self.log_once(sampled)
 
     def gathered(self, values: torch.Tensor) -> torch.Tensor:
         """`values` of every process, stacked [W, ...] on the CPU."""
@@ -351,7 +355,7 @@ class GRPOModule(PolicyModule):
         check_weights((p for p in self.policy.parameters() if p.requires_grad), algo="GRPO", step=step)
         self.sync_engine()
         if self.constraint is not None:
-            self._adapt_lambda()
+            self._adapt_lambda(step)
 
     def sync_engine(self) -> None:
         """An engine with its own weights (vLLM) gets the policy's: with model.grpo.lora the adapter (an adapter
@@ -363,14 +367,13 @@ class GRPOModule(PolicyModule):
         else:
             self.engine.load_weights(list(self.policy.named_parameters()))
 
-    def _adapt_lambda(self) -> None:
+    def _adapt_lambda(self, step: int) -> None:
         """lambda from the mean cost of this step's fresh rollouts on all ranks (none when rollouts are reused)."""
         local = torch.tensor([math.fsum(self._step_costs), len(self._step_costs)], dtype=torch.float64)
         self._step_costs = []
         total = self.trainer.strategy.reduce(local.to(self.device), reduce_op="sum").cpu()
         if total[1] > 0:
-            metrics = self.adapt_lambda(float(total[0]), int(total[1]))
-            self.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
+            self.log_once(self.adapt_lambda(float(total[0]), int(total[1])), step)
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         """The time split of the micro-batch: update is the policy forward, backward and optimizer step."""

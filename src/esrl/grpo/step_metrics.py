@@ -1,5 +1,6 @@
 """GRPO's step metrics as TRL logs them: over the optimizer step's whole window (TRL's generation batch), on every
-process's samples; the loss's statistics per micro-batch over processes, then averaged over micro-batches."""
+process's samples, on the steps that generate it (with num_iterations > 1 the steps reusing it log none, as TRL's);
+the loss's statistics per micro-batch over processes, then averaged over micro-batches, on every step."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from esrl.grpo.advantages import nanstd
 from esrl.grpo.importance import sampling_stats
+from esrl.grpo.loss import PooledMean
 from esrl.grpo.rollout_batch import RolloutBatch
 
 OTHER_HOOKS = ("train/loss", "train/grad_norm", "train/lambda", "train/cost_mean")
@@ -37,12 +39,16 @@ def window_samples(rollouts: Sequence[RolloutBatch]) -> dict[str, torch.Tensor]:
     return samples
 
 
-def sample_metrics(samples: dict[str, torch.Tensor], num_generations: int) -> dict[str, float]:
+def sample_metrics(samples: dict[str, torch.Tensor], num_generations: int,
+                   scale_rewards: str = "group") -> dict[str, float]:
     """The step's reward, advantage and length statistics over `samples` (window_samples, gathered from every
-    process), as TRL's over its gathered generation batch."""
+    process), as TRL's over its gathered generation batch. frac_reward_zero_std is TRL's too: the share of rewards
+    whose scaling std is 0 (torch.isclose), so with scale_rewards batch 1 or 0 (the whole batch's std), not the share
+    of groups."""
     r, adv, lengths, truncated = (samples[k] for k in ("rewards", "advantages", "lengths", "truncated"))
     unscorable = int(samples["unscorable"].sum())
     group_std = nanstd(r.view(-1, num_generations), dim=1)
+    scaling_std = nanstd(r).view(1) if scale_rewards == "batch" else group_std
     finite = r[~r.isnan()]
     ended = lengths[truncated == 0] if (truncated == 0).any() else torch.zeros(1)  # 0 when none ended, as TRL
     metrics = {
@@ -50,7 +56,7 @@ def sample_metrics(samples: dict[str, torch.Tensor], num_generations: int) -> di
         "train/reward_group_std": group_std.nanmean(),
         "train/reward_min": finite.min() if finite.numel() else math.nan,
         "train/reward_max": finite.max() if finite.numel() else math.nan,
-        "train/frac_reward_zero_std": (group_std < 1e-6).float().mean(),
+        "train/frac_reward_zero_std": torch.isclose(scaling_std, torch.zeros_like(scaling_std)).float().mean(),
         "train/bad_rewards": int(r.isnan().sum()) - unscorable,  # left out of the advantages for a NaN/inf reward
         "train/unscorable": unscorable,  # no reward function applied: left out too, as TRL
         "train/advantage_abs_mean": adv.abs().mean(), "train/advantage_std": adv.std(unbiased=False),
@@ -67,17 +73,26 @@ def sample_metrics(samples: dict[str, torch.Tensor], num_generations: int) -> di
     return {k: float(v) for k, v in metrics.items()}
 
 
-def loss_metrics(stats: Sequence[dict[str, torch.Tensor]],
+def loss_metrics(stats: Sequence[dict[str, torch.Tensor | PooledMean]],
                  gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
-    """Each loss (or sampling/*) statistic as TRL logs it: one value per micro-batch, reduced over processes by its
-    rank_reduction (`gather`: a tensor stacked from every process, [W, ...]; None: one process), then those values
-    averaged leaving NaNs out, as GRPOTrainer.log does (NaN if all are). Taking min/max over micro-batches, or
-    letting a NaN micro-batch (all its sequences masked) through, is not TRL's number."""
+    """Each loss (or sampling/*) statistic as TRL logs it: one value per micro-batch over processes (`gather`: a
+    tensor stacked from every process, [W, ...]; None: one process): a PooledMean's totals and counts summed, then
+    divided (TRL's global_masked_mean), a value reduced by its rank_reduction; then those values averaged leaving
+    NaNs out, as GRPOTrainer.log does (NaN if all are). Taking min/max over micro-batches, letting a NaN micro-batch
+    (all its sequences masked) through, or averaging per-process means is not TRL's number."""
     keys = list(stats[0])
-    local = torch.tensor([[float(s[key]) for s in stats] for key in keys], dtype=torch.float64)  # [K, A]
-    every = gather(local) if gather is not None else local.unsqueeze(0)  # [W, K, A]
-    return {f"train/{key}": float(over_processes(every[:, i], rank_reduction(key)).nanmean())
-            for i, key in enumerate(keys)}
+    pooled = [isinstance(stats[0][key], PooledMean) for key in keys]
+    local = torch.tensor([[[float(s[key].total), float(s[key].count)] if is_pooled else [float(s[key]), 1.0]
+                           for s in stats] for key, is_pooled in zip(keys, pooled)], dtype=torch.float64)  # [K, A, 2]
+    every = gather(local) if gather is not None else local.unsqueeze(0)  # [W, K, A, 2]
+    out = {}
+    for i, (key, is_pooled) in enumerate(zip(keys, pooled)):
+        if is_pooled:
+            values = every[:, i, :, 0].sum(0) / every[:, i, :, 1].sum(0).clamp(min=1.0)
+        else:
+            values = over_processes(every[:, i, :, 0], rank_reduction(key))
+        out[f"train/{key}"] = float(values.nanmean())
+    return out
 
 
 def over_processes(values: torch.Tensor, reduce_fx: str) -> torch.Tensor:
@@ -91,11 +106,10 @@ def over_processes(values: torch.Tensor, reduce_fx: str) -> torch.Tensor:
     return torch.where(values.isnan().all(0), math.nan, out)
 
 
-def window_loss_metrics(rollouts: Sequence[RolloutBatch], stats: Sequence[dict[str, torch.Tensor]],
-                        gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
-    """The window's loss statistics (loss_metrics) and, with the vLLM correction, TRL's sampling/* metrics: those
-    once over the window's rollouts (TRL's generation batch), not micro-batch values averaged."""
-    metrics = loss_metrics(stats, gather)
-    if rollouts[0].is_values:
-        metrics.update(loss_metrics([sampling_stats([x.is_values for x in rollouts])], gather))
-    return metrics
+def window_sampling_metrics(rollouts: Sequence[RolloutBatch],
+                            gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
+    """With the vLLM correction, TRL's sampling/* metrics once over the window's rollouts (TRL's generation batch),
+    not micro-batch values averaged; without it none."""
+    if not rollouts[0].is_values:
+        return {}
+    return loss_metrics([sampling_stats([x.is_values for x in rollouts])], gather)

@@ -70,10 +70,13 @@ class MathVerifier:
         if not math_verify_available():
             raise ConfigError(INSTALL_HINT)
         self._buffer = b""
-        # Its own session: a Ctrl-C meant for the run does not reach it (it exits when its stdin closes).
+        # Its own session: a Ctrl-C meant for the run does not reach it (it exits when its stdin closes, and dies
+        # with this process where the kernel can tell it: _die_with_parent).
+        main = threading.current_thread() is threading.main_thread()
         self._proc = subprocess.Popen([sys.executable, "-m", "esrl.tasks.math_verifier"],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
-                                      env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+                                      env={**os.environ, "OMP_NUM_THREADS": "1",
+                                           PARENT_ENV: str(os.getpid()) if main else ""}, start_new_session=True)
         line = self._read_line(START_TIMEOUT)
         if line is None or json.loads(line).get("ready") is not True:
             detail = json.loads(line).get("error", "") if line else "no answer"
@@ -158,10 +161,36 @@ class _SoftTimeout(BaseException):
     """Raised by the child's interval timer; a BaseException, so math-verify's handlers let it pass."""
 
 
+PARENT_ENV = "ESRL_VERIFIER_PARENT"
+"""The parent's pid, given to the child when the parent's main thread starts it (the kernel's parent-death signal
+fires when the starting *thread* ends, so a child another thread started does without it)."""
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills the child when its parent dies. A parent killed by SIGKILL (the OOM killer, srun past
+    its grace period) cannot close the child, which would run on for minutes inside a costly completion, in C code
+    its soft timer does not interrupt, an orphan holding a core."""
+    import signal
+
+    parent = os.environ.get(PARENT_ENV, "")
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # it died before the line above took effect
+        os._exit(0)
+
+
 def _serve() -> None:
     import logging
     import resource
     import signal
+
+    _die_with_parent()
 
     out = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
     sys.stdout = sys.stderr  # only answers go to the parent's pipe
