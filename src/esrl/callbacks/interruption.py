@@ -5,7 +5,8 @@ Lightning's own SIGTERM handling (its signal connector) stops the fit loop at th
 SIGTERMException, a SystemExit with code 0: a scheduler would read an interrupted run as a success. Here:
 
 - SIGINT (Ctrl+C) is turned into that same graceful stop (the SIGTERM Lightning handles); a second Ctrl+C
-  raises KeyboardInterrupt at once (the per-step checkpoints, if any, stay the way to resume).
+  raises KeyboardInterrupt at once through esrl.entry's handler (its one line and exit 130; the per-step
+  checkpoints, if any, stay the way to resume).
 - Both are only noted when they arrive, and handed to Lightning's SIGTERM handler at the end of a step (an
   optimizer step: GRPO's micro-batches of one accumulation window run on, as a checkpoint inside the window,
   without the window's rollouts, could not resume, tests/test_resume.py -k window), on every rank at once: the
@@ -13,6 +14,10 @@ SIGTERMException, a SystemExit with code 0: a scheduler would read an interrupte
   signal handler, wherever each rank happens to be, and a terminal's Ctrl+C or SLURM's
   SIGTERM reaches every rank while rank 0 also forwards it to the others: two processes hung there with their
   collectives out of step (tests/test_resume.py -k ranks). A signal to rank 0 alone stops every rank too.
+- After training's last step, in the final evaluation (final_phase), one process stops at once and several right
+  after it, before final/, with interrupted.ckpt at the last step (the resume runs the evaluation again). A
+  SIGTERM that Lightning's own handler took before esrl's was installed (data setup, earlier callbacks'
+  on_train_start) stops the run before its first step, not inside GRPO's first accumulation window.
 - At that step's end `<run dir>/checkpoints/interrupted.ckpt` is saved through `trainer.save_checkpoint`, where
   ModelCheckpoint saves, then Lightning raises SIGTERMException; `esrl fit` exits 143 (SIGTERM) or 130 (SIGINT).
 - SLURM (slurm/fit.sbatch): the batch shell traps the time limit's warning (SIGUSR1), sends SIGTERM to the
