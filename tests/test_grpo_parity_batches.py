@@ -248,3 +248,42 @@ def test_trl_warnings_for_advised_against_combinations(loss_type: str, level: st
                 or (level == "sequence" and loss_type in ("bnpo", "dr_grpo", "dapo", "cispo")))
     warnings = GRPOConfig(loss_type=loss_type, importance_sampling_level=level).trl_warnings()
     assert len(warnings) == int(expected), warnings
+
+
+EQUAL_GROUP = torch.tensor([1.0, 0.0, 0.5, 2.0, 3.0, 3.0, 3.0, 3.0])  # second group all equal: advantages 0
+
+
+@pytest.mark.parametrize(("loss_type", "config", "rewards"), [
+    ("dapo", dict(epsilon_high=0.28), REWARDS),
+    ("grpo", dict(epsilon=0.1, epsilon_high=0.3), REWARDS),
+    ("dapo", dict(delta=1.5), REWARDS),
+    ("cispo", dict(epsilon_high=5.0), REWARDS),
+    ("vespo", dict(), EQUAL_GROUP),
+], ids=["dapo-eps_high", "grpo-eps_asym", "dapo-delta", "cispo-eps5", "vespo-zero_adv"])
+def test_non_default_hyperparameters_match_trl(tiny_dir, tmp_path, loss_type, config, rewards):
+    """Loss, gradients and metrics at the settings the other parity tests leave at their defaults: DAPO's clip
+    higher, asymmetric bounds, delta's cap, CISPO's recommended cap (its ratio then reaches the gradient unless
+    detached) and VESPO with zero-advantage rows (TRL gives them the positive side's weight). A mutation of each
+    passed the suite before (session 33's review)."""
+    beta = 0.04
+    trainer = _trainer(tiny_dir, tmp_path, _no_reward, loss_type=loss_type, beta=beta, **config)
+    policy, ref = _models(tiny_dir, trainer)
+    batch, ids, attn, noise, inputs = _off_policy_inputs(tiny_dir, trainer)
+    inputs["advantages"] = advantages = group_advantages(rewards, G)
+    trl_loss = trainer.compute_loss(trainer.model, inputs)
+    trl_loss.backward()
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+    logps = per_token_logps(policy, ids, attn, T, temperature=TEMPERATURE)
+    with torch.no_grad():
+        ref_ours = per_token_logps(ref, ids, attn, T, temperature=TEMPERATURE)
+    grpo = GRPOConfig(loss_type=loss_type, beta=beta, epsilon_low=config.get("epsilon", 0.2),
+                      epsilon_high=config.get("epsilon_high"), delta=config.get("delta"))
+    loss_fn = GRPOLoss.from_config(grpo, MAX_COMPLETION_LENGTH)  # the config's path to the loss, as a fit takes it
+    loss, stats = loss_fn(logps, logps.detach() + noise, advantages, batch["completion_mask"],
+                          ref_per_token_logps=ref_ours)
+    loss.backward()
+    assert abs(loss.item() - trl_loss.item()) <= TOL, (loss.item(), trl_loss.item())
+    _assert_same_grads(policy, trainer)
+    for key, value in stats.items():
+        assert metrics[key] == pytest.approx(value.item(), abs=TOL, nan_ok=True), key

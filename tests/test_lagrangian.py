@@ -51,3 +51,15 @@ def test_lagrangian_validation():
         Lagrangian(adapt=True, ema=1.0)
     with pytest.raises(ValueError, match="not finite"):
         Lagrangian(adapt=True).update(float("nan"))
+
+
+def test_a_lagrangian_restored_from_its_state_continues_as_the_uninterrupted_one():
+    """The moving average of the cost is part of the state: a resumed run (lambda_ema 0.9, the task's default)
+    follows the uninterrupted lambda. The fit's resume test runs with lambda_ema 0, where it is not."""
+    kwargs = dict(lambda_init=1.0, adapt=True, lr=0.5, ema=0.9, d=0.1)
+    whole = Lagrangian(**kwargs)
+    for cost in (0.8, -0.3):
+        whole.update(cost)
+    resumed = Lagrangian(**kwargs)
+    resumed.load_state_dict(json.loads(json.dumps(whole.state_dict())))  # as a checkpoint holds it
+    assert resumed.update(0.4) == whole.update(0.4)

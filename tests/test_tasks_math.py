@@ -273,3 +273,18 @@ def _state(pid: int) -> str:
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+class _FixedVerifier:
+    def verify(self, golds, completions):
+        return ["correct", "wrong", "unparsed", "timeout", "bad_gold"][:len(completions)]
+
+
+def test_only_a_correct_status_scores_one():
+    """The reward of each verifier status: a timeout or an unparsable completion scores 0, not 1 (no test fed the
+    reward function those statuses)."""
+    from esrl.tasks.math import MathReward
+
+    with pytest.warns(UserWarning):  # the bad gold answer is named
+        got = MathReward(_FixedVerifier())([], ["a", "b", "c", "d", "e"], gold=["g"] * 5)
+    assert got == [1.0, 0.0, 0.0, 0.0, 0.0]
