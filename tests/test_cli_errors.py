@@ -88,6 +88,21 @@ def test_missing_optional_package_is_one_line_before_any_model_loads(module, arg
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize(("text", "where"), [
+    ("model:\n  es: {population_size: 2}\ntrainer: {max_steps: 1}\nmodel:\n  es: {sigma: 0.5}\n", ":4: key 'model'"),
+    ("model:\n  es: {population_size: 2, population_size: 3}\n", ":2: key 'population_size'"),
+])
+def test_a_key_given_twice_is_one_line_naming_its_lines(tmp_path, text, where):
+    """YAML keeps a repeated key's last value: a second `model:` section dropped the first whole (the run trained the
+    embedded default model with 30 members, no error). Refused, naming both lines."""
+    config = tmp_path / "twice.yaml"
+    config.write_text(text)
+    out = run_esrl("fit", "--config", config, "--print_config")
+    assert out.returncode == 2
+    (line,) = error_lines(out)
+    assert line.startswith(f"esrl: error: {config}{where} given twice (first at line ") and "Traceback" not in out.stderr
+
+
 def test_yaml_syntax_error_names_the_file_line_and_column(tmp_path):
     config = tmp_path / "broken.yaml"
     config.write_text("model:\n  policy: {name_or_path: x\ntrainer:\n  max_steps: 2\n")

@@ -60,3 +60,19 @@ def test_grpos_kl_at_step_0_is_0_with_dropout(tmp_path):
     config.save_pretrained(model)
     assert json.loads((tmp_path / "dropout" / "config.json").read_text())["attention_dropout"] == 0.3
     assert _evaluated(model, tmp_path / "grpo", "grpo")["kl"] == 0.0
+
+
+def test_an_eval_jsonl_whose_last_line_was_cut_off_still_reads(tmp_path):
+    """A kill or a full disk mid-write leaves a torn last line in eval.jsonl: resuming the run, `esrl study --report`
+    and `esrl sweep --summarize` all crashed on it (JSONDecodeError), the checkpoint unusable without editing the
+    file. The torn line is left out with a warning; a broken line before the last is one error naming it."""
+    from esrl.callbacks.evaluation import evaluation_records
+    from esrl.errors import DataError
+
+    path = tmp_path / "eval.jsonl"
+    path.write_text('{"step": 0, "reward": -3.0}\n{"step": 1, "rew')
+    with pytest.warns(UserWarning, match=r"eval.jsonl:2: its last line was cut off"):
+        assert evaluation_records(path) == [{"step": 0, "reward": -3.0}]
+    path.write_text('{"step": 0, "rew\n{"step": 1, "reward": -2.0}\n')
+    with pytest.raises(DataError, match=r"eval.jsonl:1: not a JSON evaluation record"):
+        evaluation_records(path)

@@ -89,7 +89,7 @@ def test_no_token_is_refused_off_loopback_in_one_line(capsys):
         main(["serve-scorer", "--no-token", "--host", "0.0.0.0", "--reward-model", "/no/such/model"])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "esrl serve-scorer: error: serve-scorer: --no-token serves anyone who can reach it: allowed on a loopback "
+        "esrl serve-scorer: error: --no-token serves anyone who can reach it: allowed on a loopback "
         "--host (127.0.0.1, localhost, ::1) only, got 0.0.0.0"]
     with pytest.raises(ConfigError, match="choose one"):
         server_token("t", None, no_token=True, host="127.0.0.1")
@@ -162,3 +162,21 @@ def test_a_port_in_use_is_one_line_before_the_models_load(monkeypatch, capsys):
     assert capsys.readouterr().err.strip().splitlines() == [
         f"esrl serve-scorer: error: --port {port}: cannot listen on 127.0.0.1:{port}: already in use "
         "(another server? pick another --port)"]
+
+
+def test_a_token_file_that_cannot_be_written_is_one_line_before_the_models_load(tmp_path, monkeypatch, capsys):
+    """--token-file under a file: the mkdir failed with a traceback once the reward and cost models had loaded
+    (minutes for 7B models). Checked with the other token options, before any model loads."""
+    from esrl import cli
+
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv(ENV_FILE, raising=False)
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    monkeypatch.setattr(cli, "load_score_model", lambda *a, **k: pytest.fail("a model loaded first"), raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve-scorer", "--reward-model", str(tmp_path / "no-model"), "--port", str(free_port()),
+                  "--token-file", str(blocker / "tok")])
+    assert exit_.value.code == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert line == f"esrl serve-scorer: error: --token-file {blocker / 'tok'}: cannot write it ({blocker} is a file)"

@@ -296,7 +296,8 @@ def test_an_interrupted_runs_newest_checkpoint_is_its_interrupted_ckpt_or_a_newe
     """A signal saves lightning_logs/version_N/checkpoints/interrupted.ckpt, not in the study's checkpoints/: the
     run is interrupted and resumes from the newer of the two (it restarted from step 0, or an older step)."""
     from esrl.study.config import AlgorithmSpec
-    from esrl.study.runner import Run, last_checkpoint, status
+    from esrl.fit_runs import last_checkpoint
+    from esrl.study.runner import Run, status
 
     run = Run(AlgorithmSpec("es", "es", {}), {}, 0, tmp_path / "es_seed=0")
     interrupted = run.root / "lightning_logs" / "version_0" / "checkpoints" / "interrupted.ckpt"

@@ -166,3 +166,34 @@ def test_a_signal_reaches_the_running_fit_no_later_run_starts_and_the_tool_exits
     assert (runs[0] / "got").read_text() == "SIGTERM" and (runs[0] / "returncode").read_text() == "143\n"
     assert not (runs[1] / "returncode").exists()  # never started
     assert signal.getsignal(signal.SIGTERM) is before  # the tool's handler is gone with it
+
+
+def test_a_rerun_resumes_an_interrupted_run_from_its_checkpoint_and_skips_a_finished_one(tmp_path):
+    """The sweep, stopped, says "rerun the sweep to resume them": its rerun started every run again from step 0 in a
+    new version folder and overwrote its fit.log. As a study does, it now resumes a run from its newest checkpoint
+    (fit.log appended to), skips one whose final/ exists and starts a new one as before."""
+    from esrl.fit_runs import Fits
+    from esrl.sweep import run_name, run_one
+
+    class Recorded(Fits):  # the fit commands the sweep would run
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def run(self, cmd, root, append=False):
+            self.calls.append((root.name, cmd, append))
+            return 0
+
+    combos = [{"model.es.sigma": v} for v in ("0.01", "0.02", "0.03")]
+    interrupted, finished, new = (tmp_path / run_name(c) for c in combos)
+    ckpt = interrupted / "lightning_logs" / "version_0" / "checkpoints" / "interrupted.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    ckpt.write_bytes(b"saved at step 17")
+    (interrupted / "fit.log").write_text("$ the first attempt\n")
+    (finished / "lightning_logs" / "version_0" / "final").mkdir(parents=True)
+    (finished / "lightning_logs" / "version_0" / "final" / "config.json").write_text("{}")
+    fits = Recorded()
+    assert [run_one("c.yaml", c, tmp_path, ["--trainer.max_steps", "200"], fits) for c in combos] == [0, 0, 0]
+    (first, cmd, append), (second, new_cmd, new_append) = fits.calls
+    assert first == interrupted.name and cmd[-4:-2] == ["--ckpt_path", str(ckpt)] and append
+    assert second == new.name and "--ckpt_path" not in new_cmd and not new_append

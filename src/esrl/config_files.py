@@ -20,18 +20,41 @@ _yaml_load = get_loader("yaml")
 
 
 def load_yaml(stream: str, path: str = "") -> object:
+    # jsonargparse passes the file's base name and reads it from the file's folder: name it in full.
+    name = os.path.abspath(path) if path and os.path.isfile(path) else str(path)
     try:
-        return _yaml_load(stream)
+        value = _yaml_load(stream)
+        if path and (repeated := _repeated_key(stream)) is not None:
+            key, line, first = repeated
+            raise ConfigError(f"{name}:{line}: key '{key}' given twice (first at line {first}); YAML keeps the last "
+                              "and drops the first silently: merge them")
+        return value
     except yaml.YAMLError as e:
         if not path:
             raise
-        # jsonargparse passes the file's base name and reads it from the file's folder: name it in full.
-        name = os.path.abspath(path) if os.path.isfile(path) else str(path)
         mark = getattr(e, "problem_mark", None)
         where = f"{name}:{mark.line + 1}:{mark.column + 1}" if mark is not None else name
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         context = getattr(e, "context", None)
         raise ConfigError(f"{where}: invalid YAML ({problem}{f', {context}' if context else ''})") from None
+
+
+def _repeated_key(stream: str) -> tuple[str, int, int] | None:
+    """(key, its line, the line it first stood on) of a key a mapping of the document repeats, else None."""
+    stack = [yaml.compose(stream, Loader=yaml.SafeLoader)]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[str, int] = {}
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode):
+                    if key.value in seen:
+                        return key.value, key.start_mark.line + 1, seen[key.value]
+                    seen[key.value] = key.start_mark.line + 1
+                stack.append(value)
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
+    return None
 
 
 def read_yaml(path: str | os.PathLike) -> object:

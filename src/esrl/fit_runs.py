@@ -13,6 +13,21 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from esrl.checkpoints import newest_checkpoint, run_checkpoints
+
+
+def final_dir(root: Path) -> Path | None:
+    """The run's trained model (its newest lightning_logs/version_N/final/), None while it has none."""
+    finals = [p.parent for p in root.glob("lightning_logs/version_*/final/config.json")]
+    return max(finals, key=lambda p: int(p.parent.name.rsplit("_", 1)[-1])) if finals else None
+
+
+def last_checkpoint(root: Path) -> Path | None:
+    """The newest of a study's periodic checkpoints (checkpoints/) and the fit's own (a signal's interrupted.ckpt
+    in lightning_logs/version_N/checkpoints/), picked as slurm/fit.sbatch and `--ckpt_path last` pick: where a
+    rerun of a study or a sweep resumes a run."""
+    return newest_checkpoint([*root.glob("checkpoints/*.ckpt"), *run_checkpoints(root)])
+
 
 class Fits:
     """The running fits of one sweep or study."""

@@ -28,10 +28,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from esrl.callbacks.evaluation import evaluation_records
 from esrl.checkpoints import check_root_dir
 from esrl.errors import EsrlError
 from esrl.fit_check import check_fit_args
-from esrl.fit_runs import Fits, signals_reach
+from esrl.fit_runs import Fits, final_dir, last_checkpoint, signals_reach
 
 # A final evaluation tripping any of these is flagged hacked/degenerate (hacking/* keys of eval.jsonl).
 HACK_THRESHOLDS = {"empty": 0.5, "repetition": 0.5, "cjk_share": 0.3, "special_tokens": 0.5}
@@ -139,9 +140,18 @@ def fit_command(config: str, combo: dict[str, str], root: Path, extra: list[str]
 
 
 def run_one(config: str, combo: dict[str, str], out: Path, extra: list[str], fits: Fits) -> int:
-    """One combination's fit (esrl.fit_runs: ROOT/fit.log, ROOT/returncode); -1: not started, the sweep stopped."""
+    """One combination's fit (esrl.fit_runs: ROOT/fit.log, ROOT/returncode), as a study runs one: skipped when its
+    final/ exists, resumed from its newest checkpoint (a signal's interrupted.ckpt) with its fit.log appended to;
+    -1: not started, the sweep stopped."""
     root = out / run_name(combo)
-    rc = fits.run(fit_command(config, combo, root, extra), root)
+    if final_dir(root) is not None:
+        print(f"esrl sweep: {run_name(combo)}: done (final/ exists), skipped", flush=True)
+        return 0
+    ckpt = last_checkpoint(root)
+    if ckpt is not None:
+        print(f"esrl sweep: {run_name(combo)}: resuming from {ckpt}", flush=True)
+    resume = ["--ckpt_path", str(ckpt)] if ckpt is not None else []
+    rc = fits.run(fit_command(config, combo, root, [*extra, *resume]), root, append=(root / "fit.log").is_file())
     return -1 if rc is None else rc
 
 
@@ -180,7 +190,7 @@ def summarize_run(out: Path, combo: dict[str, str]) -> dict[str, Any]:
     run_dir = latest_run_dir(root) if root.is_dir() else None
     evals = []
     if run_dir is not None:
-        evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines() if line.strip()]
+        evals = evaluation_records(run_dir / "eval.jsonl")
     if not evals:
         row.update(status=("incomplete" if (root / "fit.log").is_file() else "not run") if rc is None
                    else f"failed (exit {rc})", step="", reward_start="", reward="",

@@ -10,6 +10,8 @@ from __future__ import annotations
 import csv
 import json
 import math
+import warnings
+from pathlib import Path
 from statistics import fmean
 from typing import Any
 
@@ -18,10 +20,25 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from esrl.callbacks.interruption import final_phase
-from esrl.errors import RewardError
+from esrl.errors import DataError, RewardError
 from esrl.metrics import hacking_indicators, k3_kl, pass_at_k, special_token_share
 from esrl.rollout.hf import end_token_ids
 from esrl.tasks.reward_logs import refuse_clashes
+
+
+def evaluation_records(path: Path) -> list[dict[str, Any]]:
+    """The evaluations of an eval.jsonl. A last line a kill or a full disk cut off mid-write is left out with a
+    warning (the run resumes, and redoes that evaluation); a broken line before it is a DataError naming it."""
+    lines = [(n, line) for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
+    records = []
+    for k, (n, line) in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if k < len(lines) - 1:
+                raise DataError(f"{path}:{n}: not a JSON evaluation record ({e.msg}); esrl writes one a line") from None
+            warnings.warn(f"{path}:{n}: its last line was cut off mid-write (a kill?): left out", stacklevel=2)
+    return records
 
 
 class Evaluation(L.Callback):
@@ -89,7 +106,7 @@ class Evaluation(L.Callback):
         step = int(checkpoint.get("global_step", 0))
         path = module.run_dir() / "eval.jsonl"
         if path.is_file():
-            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            rows = evaluation_records(path)
             self.history = [r for r in rows if r.get("step", 0) <= step]
             self._last_step = step if any(r.get("step") == step for r in self.history) else -1
             if trainer.is_global_zero:

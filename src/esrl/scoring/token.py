@@ -48,14 +48,19 @@ def check_token_options(token: str | None, token_file: str | None, no_token: boo
     which may print a new token, runs once they have)."""
     if no_token:
         if token or token_file:
-            raise ConfigError("serve-scorer: --no-token with --token or --token-file; choose one")
+            raise ConfigError("--no-token with --token or --token-file; choose one")
         if host not in LOOPBACK:
-            raise ConfigError(f"serve-scorer: --no-token serves anyone who can reach it: allowed on a loopback "
+            raise ConfigError(f"--no-token serves anyone who can reach it: allowed on a loopback "
                               f"--host ({', '.join(LOOPBACK)}) only, got {host}")
         return
     file = token_file or os.environ.get(ENV_FILE)
     if not token and file and Path(file).expanduser().exists():
         read_token_file(file)
+    elif not token and file:  # to be written once the models load: its folder must be one it can make and write
+        folder = next(p for p in Path(file).expanduser().absolute().parents if p.exists())
+        if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+            raise ConfigError(f"--token-file {file}: cannot write it ({folder} is "
+                              f"{'a file' if not folder.is_dir() else 'not writable'})")
 
 
 def server_token(token: str | None, token_file: str | None, no_token: bool, host: str) -> str | None:

@@ -10,14 +10,15 @@ the base (k3, `kl`), sampled reward, pass@k, and the hacking indicators (`hackin
 from __future__ import annotations
 
 import csv
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import fmean, stdev
 from typing import Any
 
-from esrl.study.runner import Run, final_dir
+from esrl.callbacks.evaluation import evaluation_records
+from esrl.fit_runs import final_dir
+from esrl.study.runner import Run
 from esrl.sweep import hacked
 
 # Two-sided 95% Student t quantiles by degrees of freedom (1..30); 1.96 beyond.
@@ -76,7 +77,7 @@ def _versions(root: Path) -> list[Path]:
 
 def _eval_records(version: Path) -> dict[int, dict[str, Any]]:
     path = version / "eval.jsonl"
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    records = evaluation_records(path) if path.is_file() else []
     return {int(r["step"]): r for r in records}
 
 

@@ -22,8 +22,7 @@ from typing import Any
 
 import yaml
 
-from esrl.checkpoints import newest_checkpoint, run_checkpoints
-from esrl.fit_runs import Fits
+from esrl.fit_runs import Fits, final_dir, last_checkpoint
 from esrl.study.config import AlgorithmSpec, StudyConfig, set_key
 from esrl.sweep import fit_command, run_name
 
@@ -100,18 +99,6 @@ def fit_line(study: StudyConfig, run: Run) -> str:
     if study.checkpoint_every_n_steps:
         words.append(f"# + a ModelCheckpoint every {study.checkpoint_every_n_steps} steps in its checkpoints/")
     return " ".join(shlex.quote(w) if not w.startswith("# +") else w for w in words)
-
-
-def final_dir(root: Path) -> Path | None:
-    """The run's trained model (its newest lightning_logs/version_N/final/), None while it has none."""
-    finals = [p.parent for p in root.glob("lightning_logs/version_*/final/config.json")]
-    return max(finals, key=lambda p: int(p.parent.name.rsplit("_", 1)[-1])) if finals else None
-
-
-def last_checkpoint(root: Path) -> Path | None:
-    """The newest of the study's periodic checkpoints (checkpoints/) and the fit's own (a signal's interrupted.ckpt
-    in lightning_logs/version_N/checkpoints/), picked as slurm/fit.sbatch and `--ckpt_path last` pick."""
-    return newest_checkpoint([*root.glob("checkpoints/*.ckpt"), *run_checkpoints(root)])
 
 
 def status(run: Run) -> str:
