@@ -6,6 +6,7 @@ lowrank hooks' bias terms, the rounding of eps to the weights' dtype, dtype-spli
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -63,8 +64,8 @@ def test_seed_log_records_out_of_order_are_refused(tmp_path):
     from esrl.es.seed_log import make_record, read_seed_log
 
     log = tmp_path / "log.jsonl"
-    recs = [make_record(t, torch.zeros(2), 0.1, 0.1) for t in (0, 2, 1)]
-    log.write_text("\n".join(json.dumps(x) for x in [{"format": "esrl-seed-log/1"}, *recs]) + "\n")
+    recs = [make_record(t, torch.zeros(2, dtype=torch.float64), 0.1, 0.1) for t in (0, 2, 1)]
+    log.write_text("\n".join(json.dumps(x) for x in [_header(2), *recs]) + "\n")
     with pytest.raises(DataError, match="expected iteration 1, found 2"):
         read_seed_log(log)
 
@@ -145,3 +146,36 @@ def test_an_antithetic_runs_export_is_bit_exact(tiny_model, tmp_path):
     out = run_esrl("export", "--seed-log", log, "--base", tiny_model, "--out", tmp_path / "rebuilt")
     assert out.returncode == 0, out.stderr[-3000:]
     assert_same_tensors(load_safetensors(final), load_safetensors(tmp_path / "rebuilt" / "model.safetensors"))
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda h, r: (h, {**r, "z": "!!!"}), ":2: field 'z' is not 2 base64 float64 values"),
+    (lambda h, r: (h, {**r, "z": "AAAA"}), ":2: field 'z' is not 2 base64 float64 values"),
+    (lambda h, r: (h, {**r, "alpha": "0.1"}), ":2: field 'alpha' is not a number"),
+    (lambda h, r: ({**h, "es": {**h["es"], "mode": "sparse"}}, r), ":1: the header's 'es' config does not rebuild"),
+    (lambda h, r: ({k: v for k, v in h.items() if k != "policy"}, r), ":1: the header's 'policy' lacks"),
+])
+def test_a_seed_log_with_edited_values_is_one_error_naming_the_line(tmp_path, edit, message):
+    """Lines that parse as JSON but hold values no run wrote (a damaged copy, a hand edit) failed deep in the replay
+    with a bare ValueError or KeyError (`esrl export` printed a traceback); each is a DataError naming its line."""
+    from esrl.errors import DataError
+    from esrl.es.seed_log import make_record, read_seed_log
+
+    header = _header(2)
+    record = make_record(0, torch.tensor([1.0, -1.0], dtype=torch.float64), 0.1, 0.1)
+    log = tmp_path / "seed_log.jsonl"
+    log.write_text("".join(json.dumps(x) + "\n" for x in (header, record)))
+    assert len(read_seed_log(log)[1]) == 1
+    log.write_text("".join(json.dumps(x) + "\n" for x in edit(header, record)))
+    with pytest.raises(DataError, match=re.escape(f"{log}{message}")):
+        read_seed_log(log)
+
+
+def _header(members: int) -> dict:
+    """A seed log's header as a run writes it (the policy and noise seed stand-ins: not replayed here)."""
+    from dataclasses import asdict
+
+    from esrl.es.config import ESConfig
+
+    return {"format": "esrl-seed-log/1", "es": asdict(ESConfig(population_size=members)), "noise_seed": 1,
+            "policy": {"name_or_path": "x", "dtype": "float32"}}

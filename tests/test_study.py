@@ -189,13 +189,22 @@ def test_slurm_array_task_runs_its_run_then_writes_the_report(study):
     ({"overrides": {"data.task": "nosuchtask"}}, "data.task: unknown task 'nosuchtask'"),
     ({"seeds": [0, 0]}, "seeds: seeds must differ"),
     ({"seeds": [True, 2]}, "seeds: a non-empty list of integers, got "),  # True is an int to Python
+    # wrong shapes: AttributeError / TypeError tracebacks where the study first read them
+    ({"grid": ["model.es.sigma"]}, "grid: expected a mapping, got ['model.es.sigma']"),
+    ({"overrides": ["trainer.max_steps"]}, "overrides: expected a mapping, got "),
+    ({"algorithms": {"es": {"algo": "es", "overide": {}}}}, "algorithms.es.overide: unknown study field"),
+    ({"algorithms": [{"algo": "es"}]}, "algorithms[0]: a mapping in the list needs its label"),
+    ({"out": None}, "out: expected a string, got None"),
+    ({"seeds": 0}, "seeds: expected a list, got 0"),
+    ({"checkpoint_every_n_steps": "2"}, "checkpoint_every_n_steps: expected an integer, got '2'"),
+    ({"analysis": {"analyses": "similarity"}}, "analysis.analyses: expected a list, got 'similarity'"),
 ])
 def test_bad_study_file_is_one_line_before_any_run(tiny_model, tmp_path, change, message):
     from esrl.errors import ConfigError
     from esrl.study.config import load_study
 
     path = write_study(tmp_path, tiny_model, **change)
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         load_study(path)
     assert not (tmp_path / "out").exists()
 

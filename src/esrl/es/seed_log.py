@@ -10,6 +10,7 @@ Member seeds are not stored: they are population(noise_seed, t, N, antithetic), 
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from esrl.errors import DataError
+from esrl.errors import DataError, EsrlError
 
 
 def encode_fitness(shaped: torch.Tensor) -> str:
@@ -59,8 +60,9 @@ def append_record(path: Path, record: dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def _record(line: str, t: int) -> dict[str, Any] | str:
-    """The record of iteration t, or why the line is not one (torn by an interrupted write, or out of order)."""
+def _record(line: str, t: int, members: int) -> dict[str, Any] | str:
+    """The record of iteration t, or why the line is not one (torn by an interrupted write, out of order, or a value
+    edited into something else)."""
     try:
         r = json.loads(line)
     except json.JSONDecodeError as e:
@@ -69,6 +71,15 @@ def _record(line: str, t: int) -> dict[str, Any] | str:
         return "not a seed log record"
     if r["t"] != t:
         return f"expected iteration {t}, found {r['t']}"
+    for key in ("alpha", "sigma"):
+        if isinstance(r[key], bool) or not isinstance(r[key], (int, float)):
+            return f"field '{key}' is not a number ({r[key]!r})"
+    try:
+        fitness = decode_fitness(r["z"])
+    except (TypeError, ValueError, binascii.Error):
+        fitness = None
+    if fitness is None or fitness.numel() != members:
+        return f"field 'z' is not {members} base64 float64 values (one per member)"
     return r
 
 
@@ -93,13 +104,33 @@ def read_seed_log(path: str | Path, steps: int | None = None) -> tuple[dict[str,
         raise DataError(f"--step {steps}: must be >= 0 (0: the base model)")
     if wanted > len(lines) - 1:
         raise DataError(f"{path}: seed log has {len(lines) - 1} iterations; cannot rebuild step {steps}")
+    members = _check_header(header, path)
     records = []
     for t, line in enumerate(lines[1:wanted + 1]):
-        r = _record(line, t)
+        r = _record(line, t, members)
         if isinstance(r, str):
             raise DataError(f"{path}:{t + 2}: {r}; the first {t} iterations are intact (pass --step {t} or less)")
         records.append(r)
     return header, records
+
+
+def _check_header(header: dict[str, Any], path: Path) -> int:
+    """The population size of a header whose fields rebuild the run (its ES config, its policy and noise seed), or a
+    DataError naming the field: an edited header failed deep in the replay (KeyError, an unknown mode)."""
+    from esrl.es.config import ESConfig
+    from esrl.es.modes import get_mode
+
+    policy = header.get("policy")
+    if not isinstance(policy, dict) or not {"name_or_path", "dtype"} <= policy.keys():
+        raise DataError(f"{path}:1: the header's 'policy' lacks name_or_path or dtype")
+    if isinstance(header.get("noise_seed"), bool) or not isinstance(header.get("noise_seed"), int):
+        raise DataError(f"{path}:1: the header's 'noise_seed' is not an integer")
+    try:
+        cfg = ESConfig(**header["es"])
+        get_mode(cfg.mode)  # a mode this esrl knows
+        return cfg.population_size
+    except (KeyError, TypeError, ValueError, EsrlError) as e:
+        raise DataError(f"{path}:1: the header's 'es' config does not rebuild the run: {e}") from None
 
 
 @torch.no_grad()

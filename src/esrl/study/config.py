@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -205,19 +206,41 @@ def get_key(config: dict[str, Any], key: str, default: Any = None) -> Any:
 def _algorithms(raw: Any) -> list[AlgorithmSpec]:
     if isinstance(raw, list):
         out = []
-        for item in raw:
+        for k, item in enumerate(raw):
             if isinstance(item, str):
                 out.append(AlgorithmSpec(label=item, algo=item))
             elif isinstance(item, dict):
-                out.append(AlgorithmSpec(**{"algo": item.get("label"), **item}))
+                require("label" in item, f"algorithms[{k}]", "a mapping in the list needs its label")
+                out.append(_build(AlgorithmSpec, {"algo": item["label"], **item}, f"algorithms.{item['label']}."))
             else:
                 raise ConfigError(f"algorithms: expected names or mappings, got {item!r}")
         return out
     if isinstance(raw, dict):
-        return [AlgorithmSpec(label=str(k), **({"algo": str(k)} if v is None else
-                                               {"algo": str(k), **v} if isinstance(v, dict) else {"algo": v}))
-                for k, v in raw.items()]
+        return [_build(AlgorithmSpec, {"label": str(k), **({"algo": str(k)} if v is None else {"algo": str(k), **v}
+                                                            if isinstance(v, dict) else {"algo": v})},
+                       f"algorithms.{k}.") for k, v in raw.items()]
     raise ConfigError(f"algorithms: expected a list or a mapping, got {raw!r}")
+
+
+_KINDS = {dict: "a mapping", list: "a list", str: "a string", int: "an integer", float: "a number",
+          bool: "true or false"}
+
+
+def _check_types(cls, raw: dict[str, Any], where: str) -> None:
+    """Each given field against its annotation's outer type (a mapping, a list, a string, a number), so a wrong
+    shape is one line naming the field, not an AttributeError where the study first reads it."""
+    for name, hint in typing.get_type_hints(cls).items():
+        if name not in raw or dataclasses.is_dataclass(raw[name]):
+            continue
+        options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        value, kinds = raw[name], [typing.get_origin(t) or t for t in options]
+        if value is None and type(None) in kinds:
+            continue
+        ok = [k for k in kinds if k in _KINDS and (isinstance(value, k) and not (k is int and isinstance(value, bool))
+                                                    or k is float and isinstance(value, int) and not isinstance(value, bool))]
+        known = [k for k in kinds if k in _KINDS]
+        if known and not ok:
+            raise ConfigError(f"{where}{name}: expected {' or '.join(_KINDS[k] for k in known)}, got {value!r}")
 
 
 def _build(cls, raw: dict[str, Any], where: str):
@@ -225,6 +248,7 @@ def _build(cls, raw: dict[str, Any], where: str):
     unknown = sorted(set(raw) - names)
     if unknown:
         raise ConfigError(f"{where}{unknown[0]}: unknown study field; fields: {', '.join(sorted(names - {'base'}))}")
+    _check_types(cls, raw, where)
     try:
         return cls(**raw)
     except TypeError as e:
@@ -246,8 +270,7 @@ def load_study(path: str | Path, out: str | None = None) -> StudyConfig:
     for needed in ("base_config", "algorithms"):
         if needed not in raw:
             raise ConfigError(f"{needed}: missing in {path}")
-    raw["algorithms"] = [_build(AlgorithmSpec, dataclasses.asdict(a), "algorithms.")
-                         for a in _algorithms(raw["algorithms"])]
+    raw["algorithms"] = _algorithms(raw["algorithms"])
     if "analysis" in raw:
         raw["analysis"] = _build(AnalysisSettings, raw["analysis"] or {}, "analysis.")
     if out is not None:
