@@ -35,3 +35,18 @@ def test_answers_holding_unicode_line_separators_survive_the_cache(tmp_path):
     again.close()
     assert {k: r["raw"] for k, r in again.entries.items()} == answers and again.damaged == 0
     assert len(path.read_bytes().split(b"\n")) == len(answers) + 1 and json.loads(path.read_text().split("\n")[0])
+
+
+def test_a_rerun_asks_again_what_the_judge_answered_unreadably(tmp_path):
+    """A judge cut off by --max-tokens (or thinking aloud first) answered naming neither response: cached, those
+    ties stayed for good, and a rerun with the judge fixed asked nothing. Unreadable answers are asked again."""
+    from test_elo import StubJudge, counts, elo_args, write_files
+
+    specs = write_files(tmp_path / "files", models=("es", "grpo"))
+    out = tmp_path / "out"
+    first = run(elo_args("http://127.0.0.1:9/v1", specs, out, "--criteria", "helpfulness"),
+                judge=StubJudge(lambda a, b: "I cannot decide, maybe."))
+    assert first["judgments"]["unparsed"] == 2 * 3
+    fixed = StubJudge(lambda a, b: "A")
+    again = run(elo_args("http://127.0.0.1:9/v1", specs, out, "--criteria", "helpfulness"), judge=fixed)
+    assert fixed.calls == 2 * 3 and counts(again)[:3] == (2 * 3, 0, 2 * 3) and again["judgments"]["unparsed"] == 0

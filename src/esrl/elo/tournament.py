@@ -49,11 +49,12 @@ def schedule(t: Tournament, criteria: list[str], judge_model: str) -> list[Match
 def judge_missing(matches: list[Match], t: Tournament, cache: JudgmentCache, judge: Any, judge_model: str,
                   concurrency: int = 4, progress: Callable[[int, int], None] | None = None) -> dict[str, int]:
     """Ask the judge every judgment the cache lacks (each distinct question once), saving each answer as it
-    arrives. judge.ask(criterion, prompt, response_a, response_b) -> the judge's raw answer;
-    progress(done, to_do) is called before the first request and after each answer."""
+    arrives; a cached answer that named neither response is asked again (a judge cut off by --max-tokens, then
+    fixed, kept its unreadable answers as ties for good). judge.ask(criterion, prompt, response_a, response_b) ->
+    the judge's raw answer; progress(done, to_do) is called before the first request and after each answer."""
     todo: dict[str, Match] = {}
     for m in matches:
-        if m.key is not None and m.key not in cache:
+        if m.key is not None and (m.key not in cache or parse_verdict(cache[m.key]["raw"]) is None):
             todo.setdefault(m.key, m)
     distinct = {m.key for m in matches if m.key is not None}
     counts = {"total": len(distinct), "cached": len(distinct) - len(todo), "queried": 0,
