@@ -1,7 +1,7 @@
 """The judgment cache: an append-only JSON Lines file, one judgment per line, written as each answer arrives.
 
 Each line is flushed at once, so killing a tournament loses at most the requests in flight, and rerunning the
-same command asks the judge only what is missing. A line torn by a kill is skipped (and counted) on reading.
+same command asks the judge only what is missing (or was unreadable). A line torn by a kill is skipped (and counted) on reading.
 """
 
 from __future__ import annotations

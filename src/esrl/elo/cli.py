@@ -6,7 +6,7 @@
 Each completion file holds one row per prompt: {"prompt": ..., "completion": ...} (or "response"), with an
 optional "id"; a run's samples.csv (Evaluation callback) works too. Every pair of models is judged on every
 prompt and criterion in both orders by an LLM behind any OpenAI-compatible chat endpoint (vLLM, OpenAI, ...).
-Outputs under --out: judgments.jsonl (the cache: a rerun asks only what is missing), ratings.json (per criterion
+Outputs under --out: judgments.jsonl (the cache: a rerun asks only what is missing or unreadable), ratings.json (per criterion
 and overall: rating, 95% bootstrap interval, games, wins/ties/losses) and ratings.png.
 """
 
