@@ -103,6 +103,15 @@ def test_a_key_given_twice_is_one_line_naming_its_lines(tmp_path, text, where):
     assert line.startswith(f"esrl: error: {config}{where} given twice (first at line ") and "Traceback" not in out.stderr
 
 
+def test_an_empty_config_file_is_named(tmp_path):
+    """jsonargparse said only "Unexpected config:", naming no file."""
+    config = tmp_path / "empty.yaml"
+    config.write_text("")
+    out = run_esrl("fit", "--config", config)
+    assert out.returncode == 2 and error_lines(out) == [f"esrl: error: {config}: the file is empty (a config is a "
+                                                        "mapping of sections: model, data, trainer)"], out.stderr
+
+
 def test_yaml_syntax_error_names_the_file_line_and_column(tmp_path):
     config = tmp_path / "broken.yaml"
     config.write_text("model:\n  policy: {name_or_path: x\ntrainer:\n  max_steps: 2\n")

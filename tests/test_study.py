@@ -209,6 +209,17 @@ def test_bad_study_file_is_one_line_before_any_run(tiny_model, tmp_path, change,
     assert not (tmp_path / "out").exists()
 
 
+def test_jobs_below_one_is_refused_as_by_sweep(tiny_model, tmp_path, capsys):
+    """`esrl study --jobs 0` ran one run at a time without a word; `esrl sweep` refuses it."""
+    from esrl.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["study", str(write_study(tmp_path, tiny_model)), "--jobs", "0"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "esrl study: error: --jobs 0: must be >= 1 (the number of runs at once)"]
+
+
 def test_bad_study_file_through_the_cli(tiny_model, tmp_path, capsys):
     from esrl.cli import main
 

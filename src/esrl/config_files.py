@@ -63,4 +63,13 @@ def read_yaml(path: str | os.PathLike) -> object:
         return load_yaml(f.read(), str(path))
 
 
-set_loader(MODE, load_yaml, exceptions=(yaml.YAMLError,))
+def _load_config(stream: str, path: str = "") -> object:
+    """A config file as jsonargparse reads it: an empty one named (jsonargparse said only "Unexpected config:")."""
+    value = load_yaml(stream, path)
+    if path and value is None:
+        name = os.path.abspath(path) if os.path.isfile(path) else str(path)
+        raise ConfigError(f"{name}: the file is empty (a config is a mapping of sections: model, data, trainer)")
+    return value
+
+
+set_loader(MODE, _load_config, exceptions=(yaml.YAMLError,))
