@@ -79,7 +79,7 @@ if has profile; then
   timeout 200 python3 benchmarks/gpu/decode_profile.py ${PROFILE_ARGS:-} 2>&1 | quiet | tee "$OUT/decode_profile.log"
 fi
 gpu_tests() {  # $1: seconds, $2: a -k expression (empty: all), $3: the log's suffix
-  timeout $1 python3 -m pytest -v -m gpu tests/test_gpu.py -p no:cacheprovider --durations=8 ${2:+-k "$2"} 2>&1 | quiet | tee "$OUT/gpu_tests$3.log" | tail -15
+  timeout $1 python3 -m pytest -v -m gpu tests/test_gpu.py tests/test_gpu_kernels.py -p no:cacheprovider --durations=8 ${2:+-k "$2"} 2>&1 | quiet | tee "$OUT/gpu_tests$3.log" | tail -15
 }
 if has tests; then  # TESTS_FIRST: a -k expression run first (tests never run on a GPU), the rest after
   if [ -n "${TESTS_FIRST:-}" ]; then
