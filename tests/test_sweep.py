@@ -92,6 +92,7 @@ def test_a_bad_grid_value_is_one_line_naming_its_run_before_any_run(config, tmp_
     ("data.task_args.path=data/a.jsonl,data_a.jsonl",
      "data.task_args.path: values 'data/a.jsonl', 'data_a.jsonl' share one run folder (path=data-a.jsonl); "),
     ("data.task_args.path=a b,a-b", "data.task_args.path: values 'a b', 'a-b' share one run folder (path=a-b); "),
+    ("model.es.sigma=0.01,0.010", "model.es.sigma: values '0.01', '0.010' are one number; give it once"),  # ran twice
 ])
 def test_grid_values_that_share_a_run_folder_are_refused(config, tmp_path, grid, message):
     """Both points would run in one folder: the second overwrote (or, rerun, skipped) the first, and the table

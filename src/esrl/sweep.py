@@ -126,7 +126,25 @@ def name_clash(grid: dict[str, list[Any]]) -> str | None:
             if len(same) > 1:
                 return (f"{key}: values {', '.join(repr(v) for v in same)} share one run folder ({names[key]}={name}); "
                         "give each value once; values must differ in a letter, digit, ., + or -")
+        by_number: dict[float, list[Any]] = {}  # 0.01 and 0.010: two folders, one setting run twice
+        for v in values:
+            if (number := _number(v)) is not None:
+                by_number.setdefault(number, []).append(v)
+        for same in by_number.values():
+            if len(same) > 1:
+                return f"{key}: values {', '.join(repr(v) for v in same)} are one number; give it once"
     return None
+
+
+def _number(value: Any) -> float | None:
+    """A grid value's number (a YAML number, or a command line's "0.010"), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
 
 
 def fit_args(config: str, combo: dict[str, str], root: Path, extra: list[str]) -> list[str]:
