@@ -229,6 +229,11 @@ class ESModule(PolicyModule):
         self.seed_log_records.append(record)
         append_record(self.run_dir() / "seed_log.jsonl", record)
 
+    def teardown(self, stage: str) -> None:
+        """After a fit that ended well; a failed one: ESStrategy.teardown (the CLI's ES strategy)."""
+        if self.backend is not None:
+            self.backend.close()
+
     def on_fit_end(self) -> None:
         """The trained model under final/, as the mode saves it (lora: the adapter in PEFT format under
         final/adapter/ and the merged model in final/)."""

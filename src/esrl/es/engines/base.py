@@ -39,6 +39,9 @@ class ESBackend:
         """Drop the perturbation backup before the update allocates its gradients."""
         self.perturber.free()
 
+    def close(self) -> None:
+        """The fit is over: what the backend installed on the policy (a static population's hooks) comes off."""
+
     def row_weights(self, members: Sequence[Member]) -> RowWeights:
         """A chunk's per-row weights for one `generate_population`."""
         raise NotImplementedError

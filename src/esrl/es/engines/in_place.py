@@ -21,6 +21,11 @@ class InPlaceES(ESBackend):
         super().__init__(*args, **kwargs)
         self.static = None  # the mode's StaticPopulation, once the engine decodes compiled
 
+    def close(self) -> None:
+        if self.static is not None:
+            self.static.remove()
+            self.static = None
+
     def row_weights(self, members: Sequence[Member]) -> RowWeights:
         if self.engine.capabilities.static_shapes or self.mode.static_population_eager:
             if self.static is None:
