@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from conftest import conciseness_data
 
 
-def _fit(tiny_model, root, steps: int = 2, callbacks=(), mode: str = "full", ckpt_path=None, strategy="auto"):
+def _fit(tiny_model, root, steps: int = 2, callbacks=(), mode: str = "full", ckpt_path=None):
     """An in-process ES fit on the tiny model (4 members, 1 prompt a step); the module, however the fit ended."""
     from esrl.es.config import ESConfig
     from esrl.es.module import ESModule
@@ -24,7 +24,7 @@ def _fit(tiny_model, root, steps: int = 2, callbacks=(), mode: str = "full", ckp
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, enable_progress_bar=False,
                         enable_model_summary=False, logger=False, default_root_dir=root, limit_val_batches=0,
                         callbacks=list(callbacks), enable_checkpointing=any(isinstance(c, ModelCheckpoint)
-                                                                             for c in callbacks), strategy=strategy)
+                                                                             for c in callbacks))
     try:
         trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     except RuntimeError as e:
@@ -145,10 +145,8 @@ def test_an_es_step_that_fails_part_way_through_its_gradient_leaves_no_grad(monk
 def test_a_lora_fit_leaves_no_hooks_on_the_policy(tiny_model, tmp_path, fails):
     """lora's population hooks (installed once, kept for the run) stayed on the policy after every fit, finished or
     failed: inactive, but a second population on the same model was refused."""
-    from esrl.es.strategy import ESStrategy
-
     callbacks = [FailAt(lambda m: m.task, "rewards", 1)] if fails else []
-    module = _fit(tiny_model, tmp_path, steps=2, mode="lora", callbacks=callbacks, strategy=ESStrategy())  # the CLI's
+    module = _fit(tiny_model, tmp_path, steps=2, mode="lora", callbacks=callbacks)
     assert hasattr(module, "error") == fails
     hooked = [name for name, m in module.policy.named_modules() if m._forward_hooks or m._forward_pre_hooks]
     assert not hooked and module.backend.static is None

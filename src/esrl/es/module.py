@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
@@ -229,10 +230,8 @@ class ESModule(PolicyModule):
         self.seed_log_records.append(record)
         append_record(self.run_dir() / "seed_log.jsonl", record)
 
-    def teardown(self, stage: str) -> None:
-        """After a fit that ended well; a failed one: ESStrategy.teardown (the CLI's ES strategy)."""
-        if self.backend is not None:
-            self.backend.close()
+    def configure_callbacks(self):
+        return [*super().configure_callbacks(), _ClosesBackend()]
 
     def on_fit_end(self) -> None:
         """The trained model under final/, as the mode saves it (lora: the adapter in PEFT format under
@@ -264,3 +263,15 @@ class ESModule(PolicyModule):
             raise DataError(f"--ckpt_path {self.trainer.ckpt_path}: {updates} ES updates but "
                             f"{len(self.seed_log_records)} seed-log records (saved mid-iteration): resume from an "
                             "earlier checkpoint")
+
+
+class _ClosesBackend(L.Callback):
+    """The ES backend's hooks (a static population's) come off the policy however the fit ends: a callback, since
+    Lightning calls a module no hook after a failure."""
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "fit")
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        if pl_module.backend is not None:
+            pl_module.backend.close()

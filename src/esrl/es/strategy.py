@@ -37,14 +37,6 @@ class ESStrategy(DDPStrategy):
             return tensor.unsqueeze(0)
         return self.all_gather(tensor.to(self.root_device)).to(tensor.device)
 
-    def teardown(self) -> None:
-        """However the fit ended (Lightning tears the strategy down after a failure too): the ES backend's hooks
-        (a static population's) come off the policy, which then computes as it was loaded."""
-        backend = getattr(self.lightning_module, "backend", None)
-        if backend is not None:
-            backend.close()
-        super().teardown()
-
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="Evolution strategies over DDP processes",
