@@ -146,11 +146,15 @@ class PolicyModule(L.LightningModule):
         return {f"train/{k}": v for k, v in self.reward_logs.take(reserved=own).items()}
 
     def log_once(self, metrics: dict[str, float], step: int | None = None) -> None:
-        """Metrics of one step's own rollouts, straight to the loggers at `step` (default: this one) on global rank 0,
-        as the evaluation callback logs: a self.log value is logged again at every later step of its epoch
-        (Lightning keeps it until the epoch ends), so GRPO's window reused for num_iterations steps would count its
-        rollouts that many times."""
-        if metrics and self.trainer.is_global_zero:
+        """Metrics of one step's own rollouts (the same on every process), straight to the loggers at `step`
+        (default: this one) on global rank 0, as the evaluation callback logs: given to self.log's loggers, a value
+        is logged again at every later step of its epoch (Lightning keeps it until the epoch ends), so GRPO's window
+        reused for num_iterations steps would count its rollouts that many times. self.log still gets them, for
+        callbacks (a checkpoint's monitor) and the progress bar, with logger=False."""
+        if not metrics:
+            return
+        self.log_dict(metrics, on_step=True, on_epoch=False, logger=False)
+        if self.trainer.is_global_zero:
             for logger in self.trainer.loggers:
                 logger.log_metrics(metrics, step=self.global_step if step is None else step)
 
