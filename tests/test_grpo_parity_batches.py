@@ -60,6 +60,20 @@ def _loss_fn(loss_type: str, beta: float, level: str = "token") -> GRPOLoss:
                     importance_sampling_level=level)
 
 
+def _trl_step(trainer, inputs: dict) -> tuple[torch.Tensor, dict[str, float]]:
+    """TRL's loss on `inputs`, its backward done, and the metrics it recorded for them."""
+    loss = trainer.compute_loss(trainer.model, inputs)
+    loss.backward()
+    return loss, {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+
+def _logps(policy, ref, ids: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The policy's per-token log-probs (with their graph) and the reference's."""
+    logps = per_token_logps(policy, ids, attn, T, temperature=TEMPERATURE)
+    with torch.no_grad():
+        return logps, per_token_logps(ref, ids, attn, T, temperature=TEMPERATURE)
+
+
 def _off_policy_inputs(tiny_dir: Path, trainer) -> tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor, dict]:
     """The shared batch, off-policy: (batch, ids, attn, noise, TRL's inputs with old = current + noise and the
     reference log-probs, num_items_in_batch over the whole batch)."""
@@ -129,13 +143,8 @@ def test_sequence_level_importance_sampling_matches_trl(tiny_dir: Path, tmp_path
     policy, ref = _models(tiny_dir, trainer)
     batch, ids, attn, noise, inputs = _off_policy_inputs(tiny_dir, trainer)
     advantages = inputs["advantages"]
-    trl_loss = trainer.compute_loss(trainer.model, inputs)
-    trl_loss.backward()
-    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
-
-    logps = per_token_logps(policy, ids, attn, T, temperature=TEMPERATURE)
-    with torch.no_grad():
-        ref_ours = per_token_logps(ref, ids, attn, T, temperature=TEMPERATURE)
+    trl_loss, metrics = _trl_step(trainer, inputs)
+    logps, ref_ours = _logps(policy, ref, ids, attn)
     loss, stats = _loss_fn(loss_type, 0.04, "sequence")(logps, logps.detach() + noise, advantages,
                                                         batch["completion_mask"], ref_per_token_logps=ref_ours)
     loss.backward()
@@ -270,13 +279,8 @@ def test_non_default_hyperparameters_match_trl(tiny_dir, tmp_path, loss_type, co
     policy, ref = _models(tiny_dir, trainer)
     batch, ids, attn, noise, inputs = _off_policy_inputs(tiny_dir, trainer)
     inputs["advantages"] = advantages = group_advantages(rewards, G)
-    trl_loss = trainer.compute_loss(trainer.model, inputs)
-    trl_loss.backward()
-    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
-
-    logps = per_token_logps(policy, ids, attn, T, temperature=TEMPERATURE)
-    with torch.no_grad():
-        ref_ours = per_token_logps(ref, ids, attn, T, temperature=TEMPERATURE)
+    trl_loss, metrics = _trl_step(trainer, inputs)
+    logps, ref_ours = _logps(policy, ref, ids, attn)
     grpo = GRPOConfig(loss_type=loss_type, beta=beta, epsilon_low=config.get("epsilon", 0.2),
                       epsilon_high=config.get("epsilon_high"), delta=config.get("delta"))
     loss_fn = GRPOLoss.from_config(grpo, MAX_COMPLETION_LENGTH)  # the config's path to the loss, as a fit takes it

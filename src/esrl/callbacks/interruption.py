@@ -109,10 +109,11 @@ class Interruption(L.Callback):
         # A SIGTERM Lightning's handler took before esrl's (data setup, the on_train_start of callbacks listed
         # earlier): Lightning would stop after the first batch, inside a GRPO accumulation window, in a checkpoint
         # that cannot resume. Stopped here instead, at a step boundary.
-        early = torch.tensor(int(trainer.received_sigterm), device=trainer.strategy.root_device)
+        early = trainer.received_sigterm
         if trainer.world_size > 1:
-            early = trainer.strategy.reduce(early, reduce_op="max")
-        if int(early):
+            flag = torch.tensor(int(early), device=trainer.strategy.root_device)
+            early = bool(trainer.strategy.reduce(flag, reduce_op="max"))
+        if early:
             interrupted_by = "SIGTERM"
             self._save(trainer, pl_module)
             raise SIGTERMException()
