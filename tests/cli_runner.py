@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +37,9 @@ SET_BY_LIBRARIES = ("PYTORCH_NVML_BASED_CUDA_CHECK", "TORCHINDUCTOR_", "_TORCHIN
 _AT_START = dict(os.environ)  # conftest imports this module before any test runs
 _lock = threading.Lock()
 _server: dict = {}  # "proc", "env" once started
+CALLS: Counter[str] = Counter()
+"""How the suite's calls ran: "forked", or why a fresh interpreter (the suite's summary prints it: a variable that
+made many calls fresh is minutes of CI)."""
 
 
 def _base_env() -> dict[str, str]:
@@ -61,13 +65,15 @@ def _start() -> subprocess.Popen | None:
     return _server["proc"]
 
 
-def _forkable(env: dict[str, str]) -> bool:
+def _unforkable(env: dict[str, str]) -> list[str]:
+    """The variables that differ from the server's and may be read at import (a fresh interpreter must run the call)."""
     base = _server["env"]
-    return all(k.startswith(READ_WHEN_USED) for k in set(env) | set(base) if env.get(k) != base.get(k))
+    return sorted(k for k in set(env) | set(base) if env.get(k) != base.get(k) and not k.startswith(READ_WHEN_USED))
 
 
-def _fresh(argv: list[str], timeout: float, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+def _fresh(argv: list[str], timeout: float, cwd: Path, env: dict[str, str], why: str) -> subprocess.CompletedProcess:
     """The call as a plain subprocess: a fresh interpreter."""
+    CALLS[f"fresh: {why}"] += 1
     return subprocess.run([*ESRL, *argv], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
 
 
@@ -76,8 +82,10 @@ def run_esrl(*args, timeout: float = 300, cwd: Path = ROOT) -> subprocess.Comple
     argv, env = [str(a) for a in args], _base_env()
     with _lock:
         server = _start()
-        if server is None or server.poll() is not None or not _forkable(env):
-            return _fresh(argv, timeout, cwd, env)
+        if server is None or server.poll() is not None:
+            return _fresh(argv, timeout, cwd, env, "no server")
+        if differing := _unforkable(env):
+            return _fresh(argv, timeout, cwd, env, f"variables {', '.join(differing)}")
         with tempfile.TemporaryDirectory() as tmp:
             out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
             request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err),
@@ -89,7 +97,8 @@ def run_esrl(*args, timeout: float = 300, cwd: Path = ROOT) -> subprocess.Comple
                 raise RuntimeError(f"tests/cli_server.py exited ({server.wait()}) while running esrl {' '.join(argv)}")
             reply = json.loads(line)
             if "unforkable" in reply:  # PYTHONPATH shadows a module the server imported: a fresh interpreter
-                return _fresh(argv, timeout, cwd, env)
+                return _fresh(argv, timeout, cwd, env, f"PYTHONPATH shadows {reply['unforkable']}")
+            CALLS["forked"] += 1
             stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
     if reply["timed_out"]:
         raise subprocess.TimeoutExpired([*ESRL, *argv], timeout, stdout, stderr)

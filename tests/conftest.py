@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_runner import ESRL, ROOT, run_esrl, stop_server  # noqa: F401 (ESRL, ROOT, run_esrl: for the tests)
+from cli_runner import CALLS, ESRL, ROOT, run_esrl, stop_server  # noqa: F401 (ESRL, ROOT, run_esrl: for the tests)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CONCISENESS_FILES = {"train_path": str(FIXTURES / "conciseness_train3.jsonl"),  # 3 train prompts
@@ -80,6 +80,12 @@ def write_tiny_config(path: Path, model: str, *, seed: int = 3, prompts_per_step
 def _cli_server():
     yield
     stop_server()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """How the `esrl` calls ran: a call in a fresh interpreter costs its imports (~8 s on the CI machine)."""
+    if CALLS:
+        terminalreporter.write_line("esrl CLI calls: " + "; ".join(f"{n} {how}" for how, n in CALLS.most_common()))
 
 
 def fit_final(config: Path, root: Path, *extra: str) -> Path:

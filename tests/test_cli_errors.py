@@ -113,6 +113,26 @@ def test_an_empty_config_file_is_named(tmp_path):
                                                         "mapping of sections: model, data, trainer)"], out.stderr
 
 
+@pytest.mark.parametrize("text, problem", [
+    ("trainer: 5\n", "section 'trainer' is 5, not a mapping of its options (or the path of a YAML file of them)"),
+    ("model: [a, b]\n", "section 'model' is ['a', 'b'], not a mapping of its options (or the path of a YAML file"),
+    ("data:\n", "section 'data' is empty: give its options or leave it out"),
+])
+def test_a_section_of_another_type_is_named(tmp_path, text, problem):
+    """`trainer: 5` was dropped without a word (the run went on with the trainer's defaults); `data:` gave
+    jsonargparse's "Unexpected config: data:". A section given as a string stays a file of its options."""
+    config = tmp_path / "odd.yaml"
+    config.write_text(text)
+    out = run_esrl("fit", "--config", DEMO, "--config", config, "--print_config")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    (line,) = error_lines(out)
+    assert line.startswith(f"esrl: error: {config}: {problem}"), line
+    (tmp_path / "trainer.yaml").write_text("max_steps: 3\n")
+    config.write_text(f"trainer: {tmp_path / 'trainer.yaml'}\n")
+    out = run_esrl("fit", "--config", DEMO, "--config", config, "--print_config")
+    assert out.returncode == 0 and "  max_steps: 3\n" in out.stdout, out.stderr[-2000:]
+
+
 def test_yaml_syntax_error_names_the_file_line_and_column(tmp_path):
     config = tmp_path / "broken.yaml"
     config.write_text("model:\n  policy: {name_or_path: x\ntrainer:\n  max_steps: 2\n")

@@ -63,12 +63,26 @@ def read_yaml(path: str | os.PathLike) -> object:
         return load_yaml(f.read(), str(path))
 
 
+SECTIONS = ("model", "data", "trainer")
+
+
 def _load_config(stream: str, path: str = "") -> object:
-    """A config file as jsonargparse reads it: an empty one named (jsonargparse said only "Unexpected config:")."""
+    """A config file as jsonargparse reads it, an empty file or section named: jsonargparse said only "Unexpected
+    config:" of them, and kept a section of another type (`trainer: 5`) without a word, running on its defaults."""
     value = load_yaml(stream, path)
-    if path and value is None:
-        name = os.path.abspath(path) if os.path.isfile(path) else str(path)
-        raise ConfigError(f"{name}: the file is empty (a config is a mapping of sections: model, data, trainer)")
+    if not path:
+        return value
+    name = os.path.abspath(path) if os.path.isfile(path) else str(path)
+    if value is None:
+        raise ConfigError(f"{name}: the file is empty (a config is a mapping of sections: {', '.join(SECTIONS)})")
+    document = yaml.safe_load(stream)  # jsonargparse's loader gives `trainer:` back as the string "trainer:"
+    for section in SECTIONS if isinstance(document, dict) else ():
+        given = document.get(section, {})
+        if given is None:
+            raise ConfigError(f"{name}: section '{section}' is empty: give its options or leave it out")
+        if not isinstance(given, (dict, str)):  # a str is a file of the section's options, as `--trainer FILE`
+            raise ConfigError(f"{name}: section '{section}' is {given!r}, not a mapping of its options (or the path "
+                              "of a YAML file of them)")
     return value
 
 
