@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from esrl.errors import ConfigError, DataError
-from esrl.tasks import build_task
+from esrl.tasks import Task, build_task
 from esrl.tasks.jsonl import build, import_function
 from esrl.tasks.io import read_json_list, read_jsonl
 
@@ -25,6 +25,11 @@ def seen_prompts(prompts, completions, **kwargs):
     return [1.0 if isinstance(p, list) else 0.0 for p in prompts]
 
 NOT_CALLABLE = 3
+
+def _named_length(prompts, completions, **kwargs):
+    return [1.0] * len(completions)
+
+_named_length.__name__ = "length"  # as a decorator's wrapper would name it
 '''
 
 
@@ -136,6 +141,21 @@ def test_config_errors(tmp_path, rewards_module):
     assert build(train, reward_funcs=[f"{rewards_module}:length"], stop="</answer>").stop == ["</answer>"]
     with pytest.raises(ConfigError, match="stop must be a list of non-empty strings"):
         build(train, reward_funcs=[f"{rewards_module}:length"], stop=["</answer>", ""])
+
+
+def test_reward_functions_of_one_name_are_refused_naming_both(tmp_path, rewards_module):
+    """Two functions named `length` logged as one rewards/length (the last one's values), and only one became an
+    evaluation metric: refused, each spec named (the same function listed twice too: a weight says that)."""
+    train = _write(tmp_path / "t.jsonl", [{"prompt": "a"}])
+    specs = [f"{rewards_module}:length", f"{rewards_module}:_named_length"]
+    with pytest.raises(ConfigError, match=f"^data.task_args.reward_funcs: {specs[0]} is named 'length'; {specs[1]} "
+                                          "is named 'length': each function logs as rewards/<its name>"):
+        build(train, reward_funcs=specs)
+    with pytest.raises(ConfigError, match="is named 'length'"):
+        build(train, reward_funcs=[specs[0], specs[0]])
+    funcs = build(train, reward_funcs=specs[:1]).reward_funcs
+    with pytest.raises(ConfigError, match=r"^task 't': reward functions share a name \(length\)"):
+        Task("t", [], [], reward_funcs=[funcs[0], funcs[0]])
 
 
 def test_a_task_refuses_fewer_weights_than_reward_functions(rewards_module):

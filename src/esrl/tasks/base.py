@@ -51,7 +51,13 @@ class Task:
 
     def __post_init__(self) -> None:
         """What would otherwise go wrong silently: zip() dropping the functions past the last weight (TRL refuses
-        too), a stop string given as one str cut at its first character, an empty one cutting every completion."""
+        too), a stop string given as one str cut at its first character, an empty one cutting every completion, two
+        reward functions of one name logging as one (rewards/<name>, the last one's values)."""
+        names = [reward_name(f) for f in self.reward_funcs]
+        if repeated := sorted({n for n in names if names.count(n) > 1}):
+            raise ConfigError(f"task {self.name!r}: reward functions share a name ({', '.join(repeated)}): each "
+                              "logs as rewards/<its name>, so one would hide the other; rename one (or give one "
+                              "function a larger weight than list it twice)")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             raise ConfigError(f"task {self.name!r}: {len(self.reward_weights)} reward_weights for "
                               f"{len(self.reward_funcs)} reward functions")
