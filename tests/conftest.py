@@ -82,6 +82,17 @@ def _cli_server():
     stop_server()
 
 
+def pytest_sessionfinish(session) -> None:
+    """Under pytest-xdist (`make test`), a worker hands its calls' count to the controller, which prints them."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["esrl_calls"] = dict(CALLS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:  # pytest-xdist's hook, in the controller
+    CALLS.update(getattr(node, "workeroutput", {}).get("esrl_calls", {}))
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     """How the `esrl` calls ran: a call in a fresh interpreter costs its imports (~8 s on the CI machine)."""
     if CALLS:
