@@ -120,14 +120,19 @@ def test_an_empty_config_file_is_named(tmp_path):
 ])
 def test_a_section_of_another_type_is_named(tmp_path, text, problem):
     """`trainer: 5` was dropped without a word (the run went on with the trainer's defaults); `data:` gave
-    jsonargparse's "Unexpected config: data:". A section given as a string stays a file of its options."""
+    jsonargparse's "Unexpected config: data:"."""
     config = tmp_path / "odd.yaml"
     config.write_text(text)
     out = run_esrl("fit", "--config", DEMO, "--config", config, "--print_config")
     assert out.returncode == 2 and "Traceback" not in out.stderr
     (line,) = error_lines(out)
     assert line.startswith(f"esrl: error: {config}: {problem}"), line
+
+
+def test_a_section_given_as_a_path_is_a_file_of_its_options(tmp_path):
+    """The string a section may be (not refused with the types above): the path of a YAML file of its options."""
     (tmp_path / "trainer.yaml").write_text("max_steps: 3\n")
+    config = tmp_path / "odd.yaml"
     config.write_text(f"trainer: {tmp_path / 'trainer.yaml'}\n")
     out = run_esrl("fit", "--config", DEMO, "--config", config, "--print_config")
     assert out.returncode == 0 and "  max_steps: 3\n" in out.stdout, out.stderr[-2000:]

@@ -145,16 +145,17 @@ def test_config_errors(tmp_path, rewards_module):
 
 def test_reward_functions_of_one_name_are_refused_naming_both(tmp_path, rewards_module):
     """Two functions named `length` logged as one rewards/length (the last one's values), and only one became an
-    evaluation metric: refused, each spec named (the same function listed twice too: a weight says that)."""
+    evaluation metric: refused by the Task, each function named by its import path (the same function listed twice
+    too: a weight says that)."""
     train = _write(tmp_path / "t.jsonl", [{"prompt": "a"}])
     specs = [f"{rewards_module}:length", f"{rewards_module}:_named_length"]
-    with pytest.raises(ConfigError, match=f"^data.task_args.reward_funcs: {specs[0]} is named 'length'; {specs[1]} "
-                                          "is named 'length': each function logs as rewards/<its name>"):
+    with pytest.raises(ConfigError, match=f"^task 'jsonl': reward functions share a name: {specs[0]} is named "
+                                          f"'length'; {specs[1]} is named 'length': each logs as rewards/<its name>"):
         build(train, reward_funcs=specs)
     with pytest.raises(ConfigError, match="is named 'length'"):
         build(train, reward_funcs=[specs[0], specs[0]])
     funcs = build(train, reward_funcs=specs[:1]).reward_funcs
-    with pytest.raises(ConfigError, match=r"^task 't': reward functions share a name \(length\)"):
+    with pytest.raises(ConfigError, match=f"^task 't': reward functions share a name: {specs[0]} is named 'length'; "):
         Task("t", [], [], reward_funcs=[funcs[0], funcs[0]])
 
 

@@ -20,8 +20,7 @@ _yaml_load = get_loader("yaml")
 
 
 def load_yaml(stream: str, path: str = "") -> object:
-    # jsonargparse passes the file's base name and reads it from the file's folder: name it in full.
-    name = os.path.abspath(path) if path and os.path.isfile(path) else str(path)
+    name = _full_name(path)
     try:
         value = _yaml_load(stream)
         if path and (repeated := _repeated_key(stream)) is not None:
@@ -37,6 +36,11 @@ def load_yaml(stream: str, path: str = "") -> object:
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         context = getattr(e, "context", None)
         raise ConfigError(f"{where}: invalid YAML ({problem}{f', {context}' if context else ''})") from None
+
+
+def _full_name(path: str) -> str:
+    """jsonargparse passes a config file's base name and reads it from the file's folder: named in full."""
+    return os.path.abspath(path) if path and os.path.isfile(path) else str(path)
 
 
 def _repeated_key(stream: str) -> tuple[str, int, int] | None:
@@ -72,7 +76,7 @@ def _load_config(stream: str, path: str = "") -> object:
     value = load_yaml(stream, path)
     if not path:
         return value
-    name = os.path.abspath(path) if os.path.isfile(path) else str(path)
+    name = _full_name(path)
     if value is None:
         raise ConfigError(f"{name}: the file is empty (a config is a mapping of sections: {', '.join(SECTIONS)})")
     document = yaml.safe_load(stream)  # jsonargparse's loader gives `trainer:` back as the string "trainer:"

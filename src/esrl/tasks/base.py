@@ -25,6 +25,12 @@ def completion_text(completion: Any) -> str:
     raise TypeError(f"unsupported completion format: {type(completion).__name__}")
 
 
+def _where(func: Any) -> str:
+    """A function as its import path names it (`package.module:function`, as data.task_args.reward_funcs takes it)."""
+    module, name = getattr(func, "__module__", None), getattr(func, "__qualname__", None)
+    return f"{module}:{name}" if module and name else repr(func)
+
+
 @dataclass
 class Task:
     """Data, prompt format, rewards and metrics of one task.
@@ -54,10 +60,10 @@ class Task:
         too), a stop string given as one str cut at its first character, an empty one cutting every completion, two
         reward functions of one name logging as one (rewards/<name>, the last one's values)."""
         names = [reward_name(f) for f in self.reward_funcs]
-        if repeated := sorted({n for n in names if names.count(n) > 1}):
-            raise ConfigError(f"task {self.name!r}: reward functions share a name ({', '.join(repeated)}): each "
-                              "logs as rewards/<its name>, so one would hide the other; rename one (or give one "
-                              "function a larger weight than list it twice)")
+        if repeated := [f"{_where(f)} is named {n!r}" for f, n in zip(self.reward_funcs, names) if names.count(n) > 1]:
+            raise ConfigError(f"task {self.name!r}: reward functions share a name: {'; '.join(repeated)}: each logs "
+                              "as rewards/<its name>, so one would hide the other; rename one (or give one function "
+                              "a larger weight than list it twice)")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             raise ConfigError(f"task {self.name!r}: {len(self.reward_weights)} reward_weights for "
                               f"{len(self.reward_funcs)} reward functions")

@@ -7,7 +7,6 @@ from typing import Any, Callable, Sequence
 
 from esrl.errors import ConfigError, DataError
 from esrl.tasks.base import Prompt, RewardFunc, Task
-from esrl.tasks.reward_values import reward_name
 from esrl.tasks.io import read_jsonl
 
 
@@ -76,10 +75,6 @@ def build(train_path: str, eval_path: str | None = None, prompt_field: str = "pr
         raise ConfigError("data.task_args.reward_funcs: give at least one reward function "
                           "('package.module:function')")
     funcs = [import_function(spec) for spec in reward_funcs]
-    named = [(reward_name(f), spec) for spec, f in zip(reward_funcs, funcs)]
-    if repeated := [f"{spec} is named {name!r}" for name, spec in named if [n for n, _ in named].count(name) > 1]:
-        raise ConfigError(f"data.task_args.reward_funcs: {'; '.join(repeated)}: each function logs as rewards/<its "
-                          "name>, so one would hide the other (give one function a larger weight than list it twice)")
     if reward_weights is not None and len(reward_weights) != len(funcs):
         raise ConfigError(f"data.task_args.reward_weights: {len(reward_weights)} weights for {len(funcs)} "
                           "reward functions")
