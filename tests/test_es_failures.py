@@ -83,6 +83,29 @@ def test_a_checkpoint_saved_when_a_step_fails_after_its_update_holds_that_update
         _fit(tiny_model, tmp_path / "resumed", steps=3, ckpt_path=str(tmp_path / "torn.ckpt"))
 
 
+def test_a_checkpoint_resumes_only_on_the_device_type_that_drew_its_noise(tiny_model, tmp_path):
+    """The same seeds draw other noise on a GPU (Triton's Philox) and on the CPU: a run resumed on the other one went
+    on as another run, under a seed log whose one device could then rebuild neither part. The checkpoint names its
+    device; another is refused in one line. Only the CPU runs here, so the checkpoint is edited to name a GPU; a
+    checkpoint without the field (older esrl) resumes as before."""
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
+    _fit(tiny_model, tmp_path, steps=1, callbacks=[saver])
+    ckpt = torch.load(tmp_path / "ckpt" / "epoch=0-step=1.ckpt", map_location="cpu", weights_only=False)
+    assert ckpt["esrl_es"]["device"] == "cpu"
+
+    ckpt["esrl_es"]["device"] = "cuda"
+    torch.save(ckpt, tmp_path / "gpu.ckpt")
+    with pytest.raises(Exception) as err:
+        _fit(tiny_model, tmp_path / "resumed", steps=2, ckpt_path=str(tmp_path / "gpu.ckpt"))
+    assert str(err.value) == (f"--ckpt_path {tmp_path / 'gpu.ckpt'}: its 1 ES updates drew their noise on cuda; on "
+                              "cpu the same seeds draw other noise, so the run would not be the one it continues and "
+                              "its seed log could not rebuild it: resume on cuda")
+
+    del ckpt["esrl_es"]["device"]
+    torch.save(ckpt, tmp_path / "old.ckpt")
+    assert _fit(tiny_model, tmp_path / "old", steps=2, ckpt_path=str(tmp_path / "old.ckpt")).trainer.global_step == 2
+
+
 def test_a_run_whose_final_save_fails_keeps_its_interrupted_checkpoint(tiny_model, tmp_path):
     """interrupted.ckpt was deleted at the callbacks' on_fit_end, before the module's wrote final/: a final save
     that failed (a full disk) left neither. It goes only after a fit that ended without an error."""

@@ -246,6 +246,25 @@ def test_arguments_vllm_refuses_are_one_config_error_naming_vllm_kwargs(tiny_lm)
 
 
 @requires_vllm
+def test_a_model_vllm_cannot_run_is_one_config_error_at_the_engines_start(tiny_lm):
+    """vLLM-CPU's attention has no kernel for head_dim 16 (the tiny model's) and said so only at the first rollout, as
+    a traceback: the engine's start now runs one token, so the refusal is one line naming the model."""
+    from vllm.platforms import current_platform
+
+    from esrl.models.loading import load_tokenizer
+    from esrl.rollout import RolloutConfig, build_engine
+
+    if not current_platform.is_cpu():
+        pytest.skip("vLLM's CPU attention refuses head_dim 16; a GPU's runs it")
+    with pytest.raises(ConfigError) as err:
+        build_engine(RolloutConfig(engine="vllm"), tiny_lm, load_tokenizer("smollm2-135m-instruct"))
+    message = str(err.value)
+    assert message.startswith(f"model.rollout.engine vllm: vLLM could not start an engine for "
+                              f"{tiny_lm.name_or_path}: RuntimeError:") and "head_dim=16" in message
+    assert "\n" not in message
+
+
+@requires_vllm
 def test_member_adapters_on_a_gpu_in_float32_are_one_line_before_the_engine_starts(tiny_lm, monkeypatch):
     """vLLM's CUDA LoRA kernels assert float16/bfloat16 inputs during the engine's start (its memory profiling): an
     fp32 policy (GRPO's recommended dtype) with member adapters was an AssertionError traceback. On the CPU vLLM runs

@@ -51,6 +51,7 @@ class ESModule(PolicyModule):
         self.backend = None  # esrl.es.engines: ES on this engine
         self.base_fingerprint: str | None = None  # esrl.es.fingerprint of the loaded base, for the seed log
         self.seed_log_records: list[dict[str, Any]] = []
+        self._restored_device: str | None = None  # the device type of a resumed checkpoint's noise
         self._bad_sources: set[str] = set()  # reward functions that gave non-finite values this iteration
 
     def configure_model(self) -> None:
@@ -240,6 +241,19 @@ class ESModule(PolicyModule):
             self.mode.save_final(self.policy, self.tokenizer, self.run_dir() / "final")
         self.trainer.strategy.barrier("final")
 
+    def noise_device(self) -> str:
+        """The device type whose generator draws the noise (seed_log.make_header)."""
+        return self.selection.params[0].device.type
+
+    def on_fit_start(self) -> None:
+        """A checkpoint resumes only where its noise was drawn (checked here: after the restore, on the run's device,
+        before any evaluation)."""
+        if self.seed_log_records and self._restored_device not in (None, self.noise_device()):
+            raise DataError(f"--ckpt_path {self.trainer.ckpt_path}: its {len(self.seed_log_records)} ES updates drew "
+                            f"their noise on {self._restored_device}; on {self.noise_device()} the same seeds draw "
+                            "other noise, so the run would not be the one it continues and its seed log could not "
+                            f"rebuild it: resume on {self._restored_device}")
+
     def on_train_start(self) -> None:
         super().on_train_start()
         if self.trainer.ckpt_path is not None:  # an engine with its own weights gets the resumed ones
@@ -248,16 +262,18 @@ class ESModule(PolicyModule):
         if self.trainer.is_global_zero:
             write_seed_log(self.run_dir() / "seed_log.jsonl",
                            make_header(self.es, self.noise_seed, self.policy_config, self.base_fingerprint,
-                                       self.selection.params[0].device.type),
+                                       self.noise_device()),
                            self.seed_log_records)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
-        checkpoint["esrl_es"] = {"noise_seed": self.noise_seed, "seed_log": self.seed_log_records}
+        checkpoint["esrl_es"] = {"noise_seed": self.noise_seed, "seed_log": self.seed_log_records,
+                                 "device": self.noise_device()}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
         self.seed_log_records = list(checkpoint.get("esrl_es", {}).get("seed_log", []))
+        self._restored_device = checkpoint.get("esrl_es", {}).get("device")  # older checkpoints lack it
         updates = checkpoint.get("global_step", len(self.seed_log_records))
         if len(self.seed_log_records) != updates:  # its seed log could not rebuild its weights (esrl export)
             raise DataError(f"--ckpt_path {self.trainer.ckpt_path}: {updates} ES updates but "

@@ -156,6 +156,15 @@ def joined(error: Exception) -> str:
                     if line.strip() and "errors.pydantic.dev" not in line)
 
 
+def first_token(llm) -> None:
+    """One greedy token from a one-token prompt: some kernels check the model only when they first run (vLLM-CPU's
+    attention refuses a head size there), so a model vLLM cannot run is refused at the engine's start, not at the
+    first rollout. Greedy with no seed, it draws nothing from any generator."""
+    from vllm import SamplingParams
+
+    llm.generate([{"prompt_token_ids": [0]}], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+
+
 @contextmanager
 def plain_tensor_defaults() -> Iterator[None]:
     """Tensors made without a device land on the CPU, without a dtype in fp32, whatever the caller's context."""
@@ -227,10 +236,11 @@ class VLLMEngine(RolloutEngine):
             # root device (a GPU) and the precision's default dtype
             with mock.patch.dict(os.environ, environment), plain_tensor_defaults():
                 self.llm = LLM(**kwargs)
+                first_token(self.llm)
         except (ValidationError, TypeError) as e:  # vLLM's checks of its arguments (vllm_kwargs among them)
             raise ConfigError(f"model.rollout.vllm_kwargs: vLLM refused the engine's arguments: {joined(e)}") from None
         except (RuntimeError, ValueError, AssertionError) as e:  # a model vLLM cannot run here (architecture, head
-            # size, memory; its kernels' own checks are asserts)
+            # size, memory; its kernels' own checks are asserts), at the start or at its first token
             raise ConfigError(f"model.rollout.engine vllm: vLLM could not start an engine for {self.model_path}: "
                               f"{type(e).__name__}: {joined(e)}") from None
         self.max_model_len = kwargs["max_model_len"]  # a prompt and its completion fit it (check_context)
