@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,4 +119,21 @@ def test_cache_on_a_file_is_one_line_naming_esrl_cache(cache_on_a_file, tmp_path
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
     (error,) = [line for line in out.stderr.splitlines() if "error" in line.lower()]
     assert error.startswith("esrl") and f"ESRL_CACHE: {cache_on_a_file} cannot be a folder" in error
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc (a real folder nothing is made in)")
+def test_a_cache_folder_that_cannot_be_made_is_one_line_naming_esrl_cache(tmp_path, monkeypatch):
+    """ESRL_CACHE where no folder can be made or written (here under /proc; elsewhere a read-only file system or
+    another user's folder) was makedirs' traceback at the model's load: now one line naming ESRL_CACHE and the
+    error, before any run folder."""
+    from conftest import run_esrl, write_tiny_config
+
+    cache = "/proc/esrl-cache"
+    monkeypatch.setenv("ESRL_CACHE", cache)
+    config = write_tiny_config(tmp_path / "c.yaml", "smollm2-135m-instruct")
+    out = run_esrl("fit", "--config", config, "--trainer.default_root_dir", tmp_path / "run")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert (f"ESRL_CACHE: cannot write the model smollm2-135m-instruct into {cache}: No such file or directory "
+            f"({cache}); point ESRL_CACHE at a writable folder") in out.stderr.splitlines()[-1]
     assert not (tmp_path / "run").exists()
