@@ -29,7 +29,7 @@ def test_env_names_an_esrl_cache_on_a_file_and_exits_non_zero(tmp_path, monkeypa
         assert "- Embedded model: smollm2-135m-instruct: missing" in out.stdout
         assert out.stderr.strip().splitlines() == [
             f"esrl env: error: ESRL_CACHE: {cache} cannot be a folder: {tmp_path / 'cachefile'} is a file; "
-            "point ESRL_CACHE at a folder"]
+            "point ESRL_CACHE at a writable folder"]
 
 
 def test_env_configs_prints_the_shipped_configs_folder():

@@ -123,17 +123,21 @@ def test_cache_on_a_file_is_one_line_naming_esrl_cache(cache_on_a_file, tmp_path
 
 
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc (a real folder nothing is made in)")
-def test_a_cache_folder_that_cannot_be_made_is_one_line_naming_esrl_cache(tmp_path, monkeypatch):
-    """ESRL_CACHE where no folder can be made or written (here under /proc; elsewhere a read-only file system or
-    another user's folder) was makedirs' traceback at the model's load: now one line naming ESRL_CACHE and the
-    error, before any run folder."""
+def test_output_folders_where_no_folder_can_be_made_are_one_line_each(tmp_path, monkeypatch):
+    """A run folder or ESRL_CACHE where no folder can be made (here under /proc; elsewhere a read-only file system or
+    another user's folder) was makedirs' traceback, after the models loaded: now one line naming the field, before
+    any work."""
     from conftest import run_esrl, write_tiny_config
 
-    cache = "/proc/esrl-cache"
-    monkeypatch.setenv("ESRL_CACHE", cache)
     config = write_tiny_config(tmp_path / "c.yaml", "smollm2-135m-instruct")
+    out = run_esrl("fit", "--config", config, "--trainer.default_root_dir", "/proc/runs")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.splitlines()[-1] == ("esrl: error: trainer.default_root_dir: /proc/runs cannot be written: no "
+                                           "folder can be made in /proc (No such file or directory)")
+
+    monkeypatch.setenv("ESRL_CACHE", "/proc/esrl-cache")
     out = run_esrl("fit", "--config", config, "--trainer.default_root_dir", tmp_path / "run")
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    assert (f"ESRL_CACHE: cannot write the model smollm2-135m-instruct into {cache}: No such file or directory "
-            f"({cache}); point ESRL_CACHE at a writable folder") in out.stderr.splitlines()[-1]
+    assert ("(ESRL_CACHE: /proc/esrl-cache cannot be written: no folder can be made in /proc (No such file or "
+            "directory); point ESRL_CACHE at a writable folder)") in out.stderr.splitlines()[-1]
     assert not (tmp_path / "run").exists()

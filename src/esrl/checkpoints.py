@@ -11,6 +11,8 @@ Corrupt records inside a valid zip are found by esrl.resume's memory-mapped read
 
 from __future__ import annotations
 
+import os
+import tempfile
 import zipfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -87,8 +89,9 @@ def check_ckpt_path(ckpt_path: str | Path | None) -> None:
 
 def check_root_dir(root: str | Path | None, field: str = "trainer.default_root_dir") -> None:
     """An output folder (trainer.default_root_dir, a tool's --out) must be (or be creatable as) a folder: its
-    nearest existing ancestor is one. Checked before any work, so a file in the way is one line, not makedirs'
-    traceback after the models load."""
+    nearest existing ancestor is one, and a folder can be made in it (a probe, removed at once: permissions, a
+    read-only file system). Checked before any work, so either is one line, not makedirs' traceback after the models
+    load."""
     if root is None or "://" in str(root):
         return
     path = Path(str(root)).expanduser().absolute()
@@ -96,4 +99,9 @@ def check_root_dir(root: str | Path | None, field: str = "trainer.default_root_d
         if folder.exists():
             if not folder.is_dir():
                 raise ConfigError(f"{field}: {root} cannot be a folder: {folder} is a file")
+            try:
+                os.rmdir(tempfile.mkdtemp(prefix=".esrl-probe-", dir=folder))
+            except OSError as e:
+                raise ConfigError(f"{field}: {root} cannot be written: no folder can be made in {folder} "
+                                  f"({e.strerror or e})") from None
             return

@@ -36,7 +36,7 @@ def cache_dir_problem() -> str | None:
     try:
         check_root_dir(cache_dir(), "ESRL_CACHE")
     except ConfigError as e:
-        return f"{e}; point ESRL_CACHE at a folder"
+        return f"{e}; point ESRL_CACHE at a writable folder"
     return None
 
 
@@ -84,17 +84,6 @@ def ensure(out: Path, build: Callable[[Path], None]) -> Path:
     if problem(out) is None:
         return out
     check_root_dir(out.parent, "ESRL_CACHE")  # the cache folder (out's parent) is a file, or below one
-    try:
-        return _build_locked(out, build)
-    except OSError as e:  # a folder that cannot be created or written (permissions, a read-only file system, full)
-        if not str(e.filename or "").startswith(str(out.parent)):
-            raise
-        raise ConfigError(f"ESRL_CACHE: cannot write the model {out.name} into {out.parent}: {e.strerror or e} "
-                          f"({e.filename}); point ESRL_CACHE at a writable folder") from None
-
-
-def _build_locked(out: Path, build: Callable[[Path], None]) -> Path:
-    """ensure's build, one process at a time."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out.parent / f"{out.name}.lock")):
         why = problem(out)  # another process may have built it while this one waited
