@@ -92,6 +92,8 @@ def test_missing_optional_package_is_one_line_before_any_model_loads(module, arg
 @pytest.mark.parametrize(("text", "where"), [
     ("model:\n  es: {population_size: 2}\ntrainer: {max_steps: 1}\nmodel:\n  es: {sigma: 0.5}\n", ":4: key 'model'"),
     ("model:\n  es: {population_size: 2, population_size: 3}\n", ":2: key 'population_size'"),
+    ("model:\n  es: {sigma: 0.5}\n  es: {alpha: 0.1}\n", ":3: key 'es'"),
+    ("model:\n  rollout: {max_new_tokens: 8}\n  \"rollout\": {temperature: 0.5}\n", ":3: key 'rollout'"),
 ])
 def test_a_key_given_twice_is_one_line_naming_its_lines(tmp_path, text, where):
     """YAML keeps a repeated key's last value: a second `model:` section dropped the first whole (the run trained the
@@ -102,6 +104,26 @@ def test_a_key_given_twice_is_one_line_naming_its_lines(tmp_path, text, where):
     assert out.returncode == 2
     (line,) = error_lines(out)
     assert line.startswith(f"esrl: error: {config}{where} given twice (first at line ") and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(("text", "repeated"), [
+    ("1e-3: a\n0.001: b\n", ":2: key '0.001' given twice (first at line 1 as '1e-3')"),
+    ("on: a\ntrue: b\n", ":2: key 'true' given twice (first at line 1 as 'on')"),
+    ("1: a\n'1': b\n", None),
+])
+def test_repeated_keys_are_compared_as_the_config_loader_reads_them(tmp_path, text, repeated):
+    """Keys were compared as written: `1e-3` and `0.001` (one float to jsonargparse's loader) each passed, and the
+    first was dropped; `1` and `'1'` (an int and a string) are two keys."""
+    from esrl.config_files import load_yaml
+    from esrl.errors import ConfigError
+
+    path = tmp_path / "keys.yaml"
+    if repeated is None:
+        assert load_yaml(text, str(path)) == {1: "a", "1": "b"}
+        return
+    with pytest.raises(ConfigError) as err:
+        load_yaml(text, str(path))
+    assert str(err.value).startswith(f"{path}{repeated}; YAML keeps the last")
 
 
 def test_an_empty_config_file_is_named(tmp_path):

@@ -141,3 +141,57 @@ def test_output_folders_where_no_folder_can_be_made_are_one_line_each(tmp_path, 
     assert ("(ESRL_CACHE: /proc/esrl-cache cannot be written: no folder can be made in /proc (No such file or "
             "directory); point ESRL_CACHE at a writable folder)") in out.stderr.splitlines()[-1]
     assert not (tmp_path / "run").exists()
+
+
+def _read_only_mounts_work() -> bool:
+    """unshare -m and a read-only bind mount (root with CAP_SYS_ADMIN: CI's machine; not most desktops)."""
+    import os
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("mount") is None:
+        return False
+    return subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _read_only_mounts_work(), reason="needs root's unshare -m for a read-only mount")
+def test_a_read_only_cache_serves_the_model_it_holds(tmp_path):
+    """A cache shared read-only (a cluster's, converted once) was refused by `esrl fit` and `esrl env` as a folder
+    no model could be converted into, though the model was there and is only read. Now it serves; a model it lacks
+    is still one line naming ESRL_CACHE. The cache here is the converted model hard-linked into a folder mounted
+    read-only."""
+    import os
+    import shutil
+    import subprocess
+
+    from conftest import ESRL, write_tiny_config
+
+    from esrl.models.loading import resolve_model_path
+
+    converted = Path(resolve_model_path("smollm2-135m-instruct"))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+
+    def link(src, dst):
+        try:
+            os.link(src, dst)
+        except OSError:  # another file system: a copy
+            shutil.copy2(src, dst)
+
+    shutil.copytree(converted, cache / converted.name, copy_function=link)
+    config = write_tiny_config(tmp_path / "c.yaml", "smollm2-135m-instruct")
+    read_only = f'mount --bind "{cache}" "{cache}" && mount -o remount,ro,bind "{cache}" "{cache}" && exec "$@"'
+    env = {**os.environ, "ESRL_CACHE": str(cache)}
+
+    def esrl_read_only(*args):
+        return subprocess.run(["unshare", "-m", "sh", "-c", read_only, "_", *ESRL, *args], env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    out = esrl_read_only("env", "--config", config)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"smollm2-135m-instruct: cached, {cache / converted.name}" in out.stdout
+    assert "- [ok] model.policy.name_or_path: smollm2-135m-instruct" in out.stdout
+
+    shutil.rmtree(cache / converted.name)
+    out = esrl_read_only("env", "--config", config)
+    assert out.returncode == 2 and "Read-only file system" in out.stderr.splitlines()[-1], out.stdout + out.stderr

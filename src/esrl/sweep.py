@@ -295,7 +295,7 @@ def _main(argv: list[str] | None, fits: Fits) -> list[dict[str, Any]]:
     if not args.config or not Path(args.config).is_file():
         raise SweepError(f"--config {args.config!r}: no such file" if args.config else "--config is required")
     out = Path(args.out)
-    check_root_dir(out, "--out")  # a file in the way: one line before any run, not mkdir's traceback
+    check_root_dir(out, "--out", writes=not args.dry_run)  # one line before any run, not mkdir's traceback
     if args.index is not None and not 0 <= args.index < len(combos):
         raise SweepError(f"--index {args.index}: the grid has {len(combos)} combinations (0..{len(combos) - 1})")
     todo = [combos[args.index]] if args.index is not None else combos

@@ -64,7 +64,7 @@ def _main(argv: list[str] | None, fits: Fits) -> Any:
         raise StudyError("no study file given: esrl study STUDY.yaml")
     if args.jobs < 1:  # as esrl sweep refuses it (ThreadPoolExecutor's max(1, ...) ran it as 1)
         raise StudyError(f"--jobs {args.jobs}: must be >= 1 (the number of runs at once)")
-    study = load_study(path, out=args.out)
+    study = load_study(path, out=args.out, writes=not (args.count or args.dry_run))
     runs = plan(study)
     if args.count:
         print(len(runs))

@@ -255,8 +255,9 @@ def _build(cls, raw: dict[str, Any], where: str):
         raise ConfigError(f"{where.rstrip('.') or 'study'}: {e}") from None
 
 
-def load_study(path: str | Path, out: str | None = None) -> StudyConfig:
-    """Read and check a study file (and its base config) before anything runs."""
+def load_study(path: str | Path, out: str | None = None, writes: bool = True) -> StudyConfig:
+    """Read and check a study file (and its base config) before anything runs. `writes`: the command writes under
+    its out folder (not --count or --dry-run), which must then be writable."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"study file {str(path)!r}: no such file")
@@ -277,7 +278,7 @@ def load_study(path: str | Path, out: str | None = None) -> StudyConfig:
         raw["out"] = out
     raw["base"] = {}
     study = _build(StudyConfig, raw, "")
-    check_root_dir(study.out, "--out" if out is not None else "out")  # a file in the way: now, not at a mkdir
+    check_root_dir(study.out, "--out" if out is not None else "out", writes)  # now, not at a mkdir
     base_path = Path(study.base_config)
     if not base_path.is_file() and (path.parent / base_path).is_file():
         base_path = path.parent / base_path
