@@ -22,9 +22,10 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def fit_weights(model: str, root: Path, mode: str, compile: str = "auto", device: str = "cuda",
-                strategy=None) -> dict[str, torch.Tensor]:
+                strategy=None, checkpoints=None, ckpt_path=None) -> dict[str, torch.Tensor]:
     """Two ES iterations (N=4, 2 prompts, 140 tokens: the KV length passes ~130, where cuDNN's attention stopped
-    repeating on an H100); the policy's final weights, on the CPU."""
+    repeating on an H100); the policy's final weights, on the CPU. `checkpoints`: a ModelCheckpoint; `ckpt_path`: the
+    checkpoint to resume."""
     import lightning as L
 
     from esrl.callbacks import Evaluation
@@ -42,10 +43,11 @@ def fit_weights(model: str, root: Path, mode: str, compile: str = "auto", device
                                             "eval_path": str(FIXTURES / "conciseness_eval2.jsonl")},
                             prompts_per_step=2)
     trainer = L.Trainer(accelerator=device, devices=1, max_steps=2, enable_progress_bar=False, logger=False,
-                        enable_model_summary=False, enable_checkpointing=False, default_root_dir=root,
-                        limit_val_batches=0, callbacks=[Evaluation(before=False, after=False)],
+                        enable_model_summary=False, enable_checkpointing=checkpoints is not None,
+                        default_root_dir=root, limit_val_batches=0,
+                        callbacks=[Evaluation(before=False, after=False), *([checkpoints] if checkpoints else [])],
                         **({"strategy": strategy} if strategy is not None else {}))
-    trainer.fit(module, datamodule=data)
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     if device == "cuda":
         assert module.engine.compile_times() or compile == "off"  # the compiled decode path ran
     return {n: p.detach().cpu().clone() for n, p in module.policy.named_parameters()}

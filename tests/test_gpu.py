@@ -77,6 +77,20 @@ def test_an_es_fit_on_cuda_exports_from_its_seed_log_to_its_final_weights(qwen, 
     assert_same_tensors(load_safetensors(final), load_safetensors(out / "model.safetensors"))
 
 
+def test_a_checkpoint_of_a_cuda_fit_is_refused_on_the_cpu(qwen, tmp_path):
+    """The CPU draws other noise for the same seeds: a GPU run's checkpoint resumed there is refused in one line
+    (the CPU suite checks the refusal with a checkpoint edited to name cuda: test_es_failures)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from esrl.errors import DataError
+
+    fit_weights(qwen, tmp_path / "gpu", "lowrank",
+                checkpoints=ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1))
+    with pytest.raises(DataError, match=r"its 1 ES updates drew their noise on cuda; on cpu the same seeds"):
+        fit_weights(qwen, tmp_path / "cpu", "lowrank", device="cpu",
+                    ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=1.ckpt"))
+
+
 @pytest.mark.parametrize("mode", ["full", "lowrank"])
 def test_two_processes_on_one_gpu_give_the_weights_of_one(qwen, tmp_path, mode):
     """World-size invariance on CUDA, and ES's collectives (fitness, checksums) on a backend without a CPU side, as

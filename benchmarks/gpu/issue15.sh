@@ -73,7 +73,7 @@ sbs() {  # the ratios side by side in one process, 3 rounds
 if [ -n "$NEXT" ]; then  # the pricing first (inside, the ratios side by side, gate/up's one launch), then the tests
   INSIDE_S=45 inside; SBS_S=${SBS_S:-240} sbs
   TESTS_S=${TESTS_S:-280}  # at most ~575 s in all, within a call's 600
-  TESTS_FIRST=${TESTS_FIRST-"own_member_count or exports or side_stream or another_terms_path or shared_launches or terms_inside or one_launch or overlap"}  # fused fits (a compile each) after
+  TESTS_FIRST=${TESTS_FIRST-"own_member_count or exports or side_stream or another_terms_path or shared_launches or terms_inside or one_launch or overlap or refused_on_the_cpu"}  # fused fits (a compile each) after
 fi
 if has profile; then
   timeout 200 python3 benchmarks/gpu/decode_profile.py ${PROFILE_ARGS:-} 2>&1 | quiet | tee "$OUT/decode_profile.log"
