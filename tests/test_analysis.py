@@ -154,6 +154,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
     (["--device", "cuda:99"], r"^--device 'cuda:99': (no cuda device|this machine has \d+ cuda device)"),
     (["--task-args", "{bad"], r"^--task-args: not valid JSON/YAML"),
     (["--task-arg", "limit=[1"], r"^--task-arg limit: not valid JSON/YAML"),
+    (["--batch-size", "0"], r"^--batch-size must be >= 1, got 0"),  # ran as 1
+    (["--models", "run={model}"], r"^model labels must differ, got \['run', 'run', "),  # the first dropped
 ])
 def test_bad_flags_are_one_error_before_any_model_loads(tiny_model, tmp_path, monkeypatch, flags, message):
     from esrl.analysis import common
@@ -163,7 +165,7 @@ def test_bad_flags_are_one_error_before_any_model_loads(tiny_model, tmp_path, mo
     monkeypatch.setattr(common, "load_model", lambda *a: pytest.fail("a model loaded despite the bad flag"))
     with pytest.raises(EsrlError, match=message):
         main(["similarity", "--base", tiny_model, "--models", f"run={tiny_model}", "--out",
-              str(tmp_path / "out"), "--no-progress", *flags])
+              str(tmp_path / "out"), "--no-progress", *(f.replace("{model}", tiny_model) for f in flags)])
 
 
 def test_out_that_is_a_file_is_one_line_and_exit_2(tiny_model, tmp_path):

@@ -22,6 +22,14 @@ def test_a_criterion_given_twice_is_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_flags_given_twice_add_up():
+    """A second --completions replaced the first (then "give at least two models", though two were given); a second
+    --criteria likewise, silently."""
+    args = parser().parse_args(["--judge-url", "u", "--judge-model", "j", "--completions", "a.jsonl", "--completions",
+                                "b.jsonl", "--criteria", "helpfulness", "--criteria", "harmlessness", "--out", "o"])
+    assert args.completions == ["a.jsonl", "b.jsonl"] and args.criteria == ["helpfulness", "harmlessness"]
+
+
 def test_answers_holding_unicode_line_separators_survive_the_cache(tmp_path):
     """json.dumps(ensure_ascii=False) writes U+2028, U+2029 and U+0085 raw; str.splitlines() cut records there,
     so each rerun asked the judge again and counted damaged lines."""

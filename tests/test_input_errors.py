@@ -143,6 +143,30 @@ def test_invalid_yaml_names_file_line_and_column_in_every_command(tmp_path, comm
     assert f"{bad}:4:1: invalid YAML (did not find expected ',' or ']'" in out.stderr
 
 
+@pytest.mark.parametrize("command", ["fit --config", "validate -c", "export --out {tmp}/x --seed-log",
+                                     "sweep --out {tmp}/s --grid seed_everything=0 --config", "study",
+                                     "serve-scorer --judge j --token-file"])
+def test_a_binary_file_given_for_a_text_one_is_named(tmp_path, command):
+    """A checkpoint or weights file given as a config, seed log or token file was a UnicodeDecodeError traceback."""
+    binary = tmp_path / "last.ckpt"
+    binary.write_bytes(b"PK\x03\x04\xff\xfe")
+    out = run_esrl(*command.format(tmp=tmp_path).split(), binary)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1].endswith(f"{binary}: not a text file (UTF-8): byte 4 is 0xff; a "
+                                                        "binary file given by mistake?")
+
+
+def test_export_into_a_folder_with_files_is_refused_leaving_them(tmp_path):
+    """export wrote its model over another one's folder (its weights replaced, exit 0)."""
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "model.safetensors").write_bytes(b"another model")
+    out = run_esrl("export", "--seed-log", tmp_path / "seed_log.jsonl", "--out", taken)
+    assert out.returncode == 2 and out.stderr.strip() == (f"esrl export: error: --out {taken}: a folder with files in "
+                                                          "it; export writes a new folder (or an empty one)")
+    assert (taken / "model.safetensors").read_bytes() == b"another model"
+
+
 def test_a_fit_config_given_to_study_says_what_a_study_file_is():
     out = run_esrl("study", ROOT / "configs/demo/es_conciseness.yaml", "--dry-run")
     assert out.returncode == 2 and "an `esrl fit` config, not a study file; a study names one as base_config" \

@@ -220,6 +220,16 @@ def test_jobs_below_one_is_refused_as_by_sweep(tiny_model, tmp_path, capsys):
         "esrl study: error: --jobs 0: must be >= 1 (the number of runs at once)"]
 
 
+def test_a_study_file_given_twice_over_is_refused(tiny_model, tmp_path, capsys):
+    """`esrl study A.yaml --config B.yaml` ran B and dropped A without a word."""
+    from esrl.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["study", "a.yaml", "--config", "b.yaml", "--count"])
+    assert exit_.value.code == 2 and capsys.readouterr().err.strip() == (
+        "esrl study: error: two study files, a.yaml and --config b.yaml: give one")
+
+
 def test_bad_study_file_through_the_cli(tiny_model, tmp_path, capsys):
     from esrl.cli import main
 

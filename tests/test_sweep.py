@@ -198,3 +198,33 @@ def test_a_rerun_resumes_an_interrupted_run_from_its_checkpoint_and_skips_a_fini
     (first, cmd, append), (second, new_cmd, new_append) = fits.calls
     assert first == interrupted.name and cmd[-4:-2] == ["--ckpt_path", str(ckpt)] and append
     assert second == new.name and "--ckpt_path" not in new_cmd and not new_append
+
+
+def test_a_sweep_folder_takes_only_its_own_base_config(config, tmp_path, monkeypatch, capsys):
+    """Rerun into another sweep's folder with another base config, the finished runs (named by grid values alone) were
+    skipped and tabled as the new sweep's, exit 0. Refused in one line before any run; new grid values, and a summary
+    called with the grid alone (slurm/sweep.sbatch), are fine. The fits are recorded, not run (their code is not
+    what is tested)."""
+    import esrl.sweep
+    from esrl.cli import main
+
+    started = []
+    monkeypatch.setattr(esrl.sweep, "run_one", lambda cfg, combo, out, extra, fits: started.append(combo) or 0)
+    sweep = ["sweep", "--config", str(config), "--out", str(tmp_path / "sweep")]
+    main([*sweep, "--grid", "seed_everything=0", "--", "--trainer.max_steps", "1"])
+    main([*sweep, "--grid", "seed_everything=0,1", "--", "--trainer.max_steps", "1"])  # the same base, a new value
+    assert len(started) == 3
+    (tmp_path / "sweep" / "seed_everything=0").mkdir()
+    main([*sweep, "--grid", "seed_everything=0,1", "--summarize"])
+    capsys.readouterr()
+
+    for other in ([*sweep, "--grid", "seed_everything=0", "--", "--trainer.max_steps", "2"],
+                  [*sweep[:2], str(write_tiny_config(tmp_path / "b.yaml", "other-model")), *sweep[3:],
+                   "--grid", "seed_everything=0", "--", "--trainer.max_steps", "1"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(other)
+        assert exit_.value.code == 2 and len(started) == 3
+        assert capsys.readouterr().err.strip() == (
+            f"esrl sweep: error: --out {tmp_path / 'sweep'}: holds a sweep of another base config or other flags "
+            f"after -- (its grid.json: {config} --trainer.max_steps 1); its finished runs would be reported as this "
+            "sweep's: use a new --out")

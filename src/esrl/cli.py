@@ -24,10 +24,10 @@ from esrl.callbacks.interruption import EXIT_CODES
 from esrl.checkpoints import check_ckpt_path, check_root_dir, resolve_last
 from esrl.data import PromptDataModule
 from esrl.config_files import MODE as CONFIG_MODE
-from esrl.errors import ConfigError, EsrlError
+from esrl.errors import ConfigError, EsrlError, read_text
 from esrl.module_factory import build_module, fit_trainer_to_algo
 from esrl.parser_errors import help_hint, one_line
-from esrl.resume import explicit_fields, load_for_plan, plan_resume, resumed_version
+from esrl.resume import config_file_arg, explicit_fields, load_for_plan, plan_resume, resumed_version
 from esrl.needs import check as check_needs
 
 
@@ -51,6 +51,11 @@ class EsrlCLI(LightningCLI):
     def parse_arguments(self, parser, args) -> None:
         """Then --ckpt_path checked (esrl.checkpoints; `last`: the run root's newest checkpoint), before LightningCLI
         reads its hyperparameters with torch.load: a missing, truncated or garbage file is one line naming it."""
+        argv = [str(a) for a in (sys.argv[1:] if args is None else args)] if args is None or isinstance(args, list) \
+            else []
+        for i in range(len(argv)):  # jsonargparse's reading of a binary config file was a UnicodeDecodeError
+            if (path := config_file_arg(argv, i)) and Path(path).is_file():
+                read_text(path, "--config")
         super().parse_arguments(parser, args)
         self._resume = None
         if self.config.get("subcommand"):
@@ -61,8 +66,7 @@ class EsrlCLI(LightningCLI):
             # What the user gave vs the checkpoint's settings (esrl.resume): conflicts stop here, in one line.
             ckpt = load_for_plan(config.ckpt_path) if config.get("ckpt_path") else None
             if ckpt is not None:
-                written = explicit_fields([str(a) for a in (sys.argv[1:] if args is None else args)]
-                                          if args is None or isinstance(args, list) else [])
+                written = explicit_fields(argv)
                 self._resume = plan_resume(config.ckpt_path, ckpt, config.as_dict(), self.seed_everything_default,
                                            written)
                 config.seed_everything = self._resume.seed

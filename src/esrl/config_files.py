@@ -13,7 +13,7 @@ import os
 import yaml
 from jsonargparse import get_loader, set_loader
 
-from esrl.errors import ConfigError
+from esrl.errors import ConfigError, read_text
 
 MODE = "esrl_yaml"
 _yaml_load = get_loader("yaml")
@@ -68,8 +68,7 @@ def _repeated_key(stream: str) -> tuple[str, int, int, str] | None:
 
 def read_yaml(path: str | os.PathLike) -> object:
     """A YAML file's content; invalid YAML is a ConfigError naming file:line:column, as a --config file's is."""
-    with open(path, encoding="utf-8") as f:
-        return load_yaml(f.read(), str(path))
+    return load_yaml(read_text(path), str(path))
 
 
 SECTIONS = ("model", "data", "trainer")

@@ -34,3 +34,15 @@ class RewardError(EsrlError, ValueError):
 
 class NonFiniteUpdateError(EsrlError, FloatingPointError):
     """An update would have made weights non-finite: it was refused and the run stops without `final/`."""
+
+
+def read_text(path, what: str = "", error: type[EsrlError] = ConfigError) -> str:
+    """A user's text file (a config, a seed log, a token file) as UTF-8: a binary one given by mistake (a checkpoint,
+    a model's weights) is one `error` naming it (`what`: the option before the path), not UnicodeDecodeError."""
+    from pathlib import Path
+
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{what}{' ' if what else ''}{path}: not a text file (UTF-8): byte {e.start} is "
+                    f"0x{e.object[e.start]:02x}; a binary file given by mistake?") from None

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from esrl.checkpoints import check_root_dir
-from esrl.errors import DataError
+from esrl.errors import ConfigError, DataError
 from esrl.es.fingerprint import weights_fingerprint
 from esrl.es.modes import get_mode
 from esrl.es.seed_log import read_seed_log, replay
@@ -48,6 +48,8 @@ def export(seed_log: str, out: str, base: str | None = None, step: int | None = 
     """The weights after `step` logged iterations (default: all) saved under `out`; step K needs lines up to K
     intact, whatever follows them."""
     check_root_dir(out, "--out")  # transformers only warns when saving into a file, and writes nothing
+    if Path(out).is_dir() and any(Path(out).iterdir()):  # another model's files would be replaced, or mixed in
+        raise ConfigError(f"--out {out}: a folder with files in it; export writes a new folder (or an empty one)")
     header, records = read_seed_log(seed_log, step)
     base = base or header["policy"]["name_or_path"]
     model = load_causal_lm(base, header["policy"]["dtype"])
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed-log", required=True, help="seed_log.jsonl of an ES run")
     parser.add_argument("--base", help="base model (default: the run's policy, from the log header)")
     parser.add_argument("--step", type=int, help="number of iterations to apply (default: all)")
-    parser.add_argument("--out", required=True, help="output folder (Hugging Face format)")
+    parser.add_argument("--out", required=True, help="output folder (Hugging Face format), new or empty")
     args = parser.parse_args(argv)
     out = export(args.seed_log, args.out, args.base, args.step)
     _, records = read_seed_log(args.seed_log, args.step)

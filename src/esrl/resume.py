@@ -64,7 +64,7 @@ def _data_defaults() -> dict[str, Any]:
     return {f"data.{k}": params[k].default for k in _DATA_FIELDS}
 
 
-def _config_file(args: list[str], i: int) -> str | None:
+def config_file_arg(args: list[str], i: int) -> str | None:
     """The file (or inline YAML) of a config option at args[i] in any of LightningCLI's forms (`--config F`,
     `--config=F`, `-c F`, `-c=F`, `-cF`), else None."""
     arg = args[i]
@@ -101,7 +101,7 @@ def explicit_fields(args: list[str]) -> frozenset[str]:
     command = next((i for i, arg in enumerate(args) if arg in SUBCOMMANDS), len(args))
     written: set[str] = set()
     for i, arg in enumerate(args):
-        source = _config_file(args, i)
+        source = config_file_arg(args, i)
         if source is not None:
             written |= _written_in(source, args[command] if i < command < len(args) else None)
         elif arg.startswith("--"):

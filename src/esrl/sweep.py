@@ -30,7 +30,7 @@ from typing import Any
 
 from esrl.callbacks.evaluation import evaluation_records
 from esrl.checkpoints import check_root_dir
-from esrl.errors import EsrlError
+from esrl.errors import EsrlError, read_text
 from esrl.fit_check import check_fit_args
 from esrl.fit_runs import Fits, final_dir, last_checkpoint, signals_reach
 
@@ -81,7 +81,7 @@ def check_config(config: str, grid: dict[str, list[str]]) -> None:
     from esrl.config_files import load_yaml
     from esrl.study.config import check_key
 
-    base = load_yaml(Path(config).read_text(), config)  # a syntax error: ConfigError naming file:line:column
+    base = load_yaml(read_text(config, "--config"), config)  # a syntax error: ConfigError naming file:line:column
     if not isinstance(base, dict):
         raise SweepError(f"--config {config}: expected a mapping of config sections (model:, data:, trainer:, ...), "
                          f"found a {type(base).__name__}")
@@ -155,6 +155,27 @@ def fit_args(config: str, combo: dict[str, str], root: Path, extra: list[str]) -
 
 def fit_command(config: str, combo: dict[str, str], root: Path, extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "esrl", "fit", *fit_args(config, combo, root, extra)]
+
+
+def base_digest(config: str, extra: list[str]) -> str:
+    """What every run of a sweep shares (the base config's bytes and the flags after --), as grid.json records it: the
+    run folders are named by their grid values alone."""
+    import hashlib
+
+    return hashlib.sha256(Path(config).read_bytes() + json.dumps(extra).encode()).hexdigest()
+
+
+def check_same_base(out: Path, config: str, extra: list[str]) -> None:
+    """A sweep folder takes only the sweep it holds (new grid values included): a finished run of another base config
+    would be skipped and reported as this one's."""
+    try:
+        held = json.loads((out / "grid.json").read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(held, dict) and held.get("base_sha256") not in (None, base_digest(config, extra)):
+        raise SweepError(f"--out {out}: holds a sweep of another base config or other flags after -- (its grid.json: "
+                         f"{held.get('config')} {' '.join(held.get('extra') or [])}); its finished runs would be "
+                         "reported as this sweep's: use a new --out")
 
 
 def run_one(config: str, combo: dict[str, str], out: Path, extra: list[str], fits: Fits) -> int:
@@ -304,6 +325,7 @@ def _main(argv: list[str] | None, fits: Fits) -> list[dict[str, Any]]:
                          f"none of this grid's {len(combos)} run folders is there") + ", nothing to summarize")
     problem = None
     if not args.summarize:
+        check_same_base(out, args.config, extra)
         check_config(args.config, grid)
         # every run's values as its fit checks them (esrl.fit_check): one line before any run starts
         runs = [(run_name(c), fit_args(args.config, c, out / run_name(c), extra)) for c in todo]
@@ -315,8 +337,10 @@ def _main(argv: list[str] | None, fits: Fits) -> list[dict[str, Any]]:
             raise problem
         return []
     out.mkdir(parents=True, exist_ok=True)
-    (out / "grid.json").write_text(json.dumps({"config": args.config, "grid": grid, "extra": extra,
-                                               "runs": [run_name(c) for c in combos]}, indent=2) + "\n")
+    if not args.summarize:  # a summary is called with the grid alone (slurm/sweep.sbatch), not the flags after --
+        (out / "grid.json").write_text(json.dumps({"config": args.config, "grid": grid, "extra": extra,
+                                                   "runs": [run_name(c) for c in combos],
+                                                   "base_sha256": base_digest(args.config, extra)}, indent=2) + "\n")
     failed = []
     if not args.summarize:
         with fits.under_way(), ThreadPoolExecutor(args.jobs) as pool:

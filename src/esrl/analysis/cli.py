@@ -41,7 +41,7 @@ def parser() -> argparse.ArgumentParser:
                    help=f"which analyses: {', '.join(ANALYSES)}, or all (default); lmc = connectivity")
     p.add_argument("--base", default=None,
                    help="base model: HF folder or `smollm2-135m-instruct` (needed by similarity and base->run LMC)")
-    p.add_argument("--models", nargs="+", default=[], metavar="[LABEL=]PATH",
+    p.add_argument("--models", nargs="+", action="extend", default=[], metavar="[LABEL=]PATH",  # twice: both kept
                    help="trained models: HF folders (a run's final/), or run folders holding one final/")
     p.add_argument("--task", default="conciseness", help="task name (esrl.tasks.build_task)")
     p.add_argument("--task-args", default=None, help="task options as a JSON/YAML mapping")
@@ -140,8 +140,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise AnalysisError(f"model labels must differ, got {labels}; name them with LABEL=PATH")
     if base is None and not models:
         raise AnalysisError("no model: pass --base and/or --models")
-    if args.max_new_tokens < 1:
-        raise AnalysisError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    for flag in ("max_new_tokens", "batch_size", "num_prompts", "seeds", "coverage_k"):  # 0 ran as 1, or nothing
+        if getattr(args, flag, 1) < 1:
+            raise AnalysisError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     sigmas = _floats(args.sigmas, "--sigmas")
     alphas = _floats(args.alphas, "--alphas")
     options = task_options(args)

@@ -30,10 +30,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--judge-model", required=True, help="the judge's model name at that endpoint")
     p.add_argument("--api-key", default=None,
                    help="bearer token (default: env ESRL_JUDGE_API_KEY, else OPENAI_API_KEY; none for a local server)")
-    p.add_argument("--completions", nargs="+", required=True, metavar="[NAME=]PATH",
+    # action extend: the flag given twice adds to the list (argparse's default kept only the last, silently)
+    p.add_argument("--completions", nargs="+", action="extend", required=True, metavar="[NAME=]PATH",
                    help="one completion file per model (.jsonl, or a run's samples.csv); NAME defaults to the stem")
     p.add_argument("--out", required=True, help="output folder (judgments.jsonl, ratings.json, ratings.png)")
-    p.add_argument("--criteria", nargs="+", default=list(TEMPLATES), choices=list(TEMPLATES))
+    p.add_argument("--criteria", nargs="+", action="extend", choices=list(TEMPLATES),
+                   help=f"default: all ({' '.join(TEMPLATES)})")
     p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples of the prompts (0: none)")
     p.add_argument("--seed", type=int, default=0, help="seed of the bootstrap resamples")
     p.add_argument("--prior", type=float, default=1.0,
@@ -55,6 +57,7 @@ def _check(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag}: must be >= {low}, got {value}")
     if args.timeout <= 0 or args.prior < 0:
         raise ConfigError("--timeout must be > 0 and --prior >= 0")
+    args.criteria = args.criteria or list(TEMPLATES)
     if len(set(args.criteria)) < len(args.criteria):  # every game went to the first copy, the second rated empty
         raise ConfigError(f"--criteria {' '.join(args.criteria)}: a criterion given twice")
     if not args.judge_url.startswith(("http://", "https://")):

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from esrl.errors import DataError, EsrlError
+from esrl.errors import DataError, EsrlError, read_text
 
 
 def encode_fitness(shaped: torch.Tensor) -> str:
@@ -90,7 +90,7 @@ def read_seed_log(path: str | Path, steps: int | None = None) -> tuple[dict[str,
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: seed log not found")
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in read_text(path, error=DataError).splitlines() if line.strip()]
     try:
         header = json.loads(lines[0]) if lines else None
     except json.JSONDecodeError:

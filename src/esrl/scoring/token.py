@@ -15,7 +15,7 @@ import secrets
 import sys
 from pathlib import Path
 
-from esrl.errors import ConfigError
+from esrl.errors import ConfigError, read_text
 
 ENV = "ESRL_SCORER_TOKEN"
 ENV_FILE = "ESRL_SCORER_TOKEN_FILE"
@@ -25,7 +25,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 def read_token_file(path: str | Path) -> str:
     path = Path(path).expanduser()
     try:
-        token = path.read_text().strip()
+        token = read_text(path, "scorer token file").strip()
     except OSError as e:
         raise ConfigError(f"scorer token file {path}: cannot read it ({e.strerror or e})") from None
     if not token or any(c.isspace() for c in token):

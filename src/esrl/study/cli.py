@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> Any:
 def _main(argv: list[str] | None, fits: Fits) -> Any:
     start = time.perf_counter()
     args = parser().parse_args(argv)
+    if args.config and args.study and args.config != args.study:  # the positional one was dropped without a word
+        raise StudyError(f"two study files, {args.study} and --config {args.config}: give one")
     path = args.config or args.study
     if not path:
         raise StudyError("no study file given: esrl study STUDY.yaml")
