@@ -110,6 +110,7 @@ def test_a_key_given_twice_is_one_line_naming_its_lines(tmp_path, text, where):
     ("1e-3: a\n0.001: b\n", ":2: key '0.001' given twice (first at line 1 as '1e-3')"),
     ("on: a\ntrue: b\n", ":2: key 'true' given twice (first at line 1 as 'on')"),
     ("1: a\n'1': b\n", None),
+    ("1: a\n!!str 1: b\n", None),  # a tag says how to read it
 ])
 def test_repeated_keys_are_compared_as_the_config_loader_reads_them(tmp_path, text, repeated):
     """Keys were compared as written: `1e-3` and `0.001` (one float to jsonargparse's loader) each passed, and the

@@ -156,6 +156,18 @@ def test_a_binary_file_given_for_a_text_one_is_named(tmp_path, command):
                                                         "binary file given by mistake?")
 
 
+def test_inline_yaml_longer_than_a_file_name_is_still_a_config(tiny_model, tmp_path):
+    """The check for binary config files stat()ed every --config value: inline YAML over 255 characters was an OSError
+    (file name too long)."""
+    from conftest import write_tiny_config
+
+    inline = "{seed_everything: 5, trainer: {max_steps: 1, limit_val_batches: 0}, " + " " * 250 + "}"
+    out = run_esrl("fit", "--config", write_tiny_config(tmp_path / "c.yaml", tiny_model), "--config", inline,
+                   "--print_config")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "seed_everything: 5" in out.stdout
+
+
 def test_export_into_a_folder_with_files_is_refused_leaving_them(tmp_path):
     """export wrote its model over another one's folder (its weights replaced, exit 0)."""
     taken = tmp_path / "taken"

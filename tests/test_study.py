@@ -228,6 +228,9 @@ def test_a_study_file_given_twice_over_is_refused(tiny_model, tmp_path, capsys):
         main(["study", "a.yaml", "--config", "b.yaml", "--count"])
     assert exit_.value.code == 2 and capsys.readouterr().err.strip() == (
         "esrl study: error: two study files, a.yaml and --config b.yaml: give one")
+    path = write_study(tmp_path, tiny_model)  # one file, spelled two ways
+    main(["study", str(path), "--config", str(path.parent / "." / path.name), "--count"])
+    assert capsys.readouterr().out.strip() == "4"
 
 
 def test_bad_study_file_through_the_cli(tiny_model, tmp_path, capsys):

@@ -7,6 +7,7 @@ import difflib
 import logging
 import re
 import sys
+import os
 from pathlib import Path
 import warnings
 
@@ -54,7 +55,7 @@ class EsrlCLI(LightningCLI):
         argv = [str(a) for a in (sys.argv[1:] if args is None else args)] if args is None or isinstance(args, list) \
             else []
         for i in range(len(argv)):  # jsonargparse's reading of a binary config file was a UnicodeDecodeError
-            if (path := config_file_arg(argv, i)) and Path(path).is_file():
+            if (path := config_file_arg(argv, i)) and os.path.isfile(path):  # False for inline YAML of any length
                 read_text(path, "--config")
         super().parse_arguments(parser, args)
         self._resume = None

@@ -50,13 +50,16 @@ def _repeated_key(stream: str) -> tuple[str, int, int, str] | None:
     compared as the config's loader reads them (`1e-3` and `0.001`, `on` and `true` are one key; `1` and `"1"` two),
     not as written."""
     stack = [yaml.compose(stream, Loader=yaml.SafeLoader)]
+    plain = yaml.SafeLoader("")  # YAML's own tag resolution and construction
     while stack:
         node = stack.pop()
         if isinstance(node, yaml.MappingNode):
             seen: dict[object, tuple[int, str]] = {}
             for key, value in node.value:
                 if isinstance(key, yaml.ScalarNode):
-                    loaded = key.value if key.style else _yaml_load(key.value)  # quoted or block: a string
+                    # plain and untagged: as the config's loader resolves it; quoted or tagged (`!!str 1`): as YAML's
+                    implicit = not key.style and key.tag == plain.resolve(yaml.ScalarNode, key.value, (True, False))
+                    loaded = _yaml_load(key.value) if implicit else plain.construct_object(key)
                     if loaded in seen:
                         return (key.value, key.start_mark.line + 1, *seen[loaded])
                     seen[loaded] = (key.start_mark.line + 1, key.value)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> Any:
 def _main(argv: list[str] | None, fits: Fits) -> Any:
     start = time.perf_counter()
     args = parser().parse_args(argv)
-    if args.config and args.study and args.config != args.study:  # the positional one was dropped without a word
+    if args.config and args.study and Path(args.config).resolve() != Path(args.study).resolve():  # one was dropped
         raise StudyError(f"two study files, {args.study} and --config {args.config}: give one")
     path = args.config or args.study
     if not path:
