@@ -172,6 +172,26 @@ def test_a_task_refuses_fewer_weights_than_reward_functions(rewards_module):
         Task("mine", [], [], funcs, stop="</answer>")
 
 
+@pytest.mark.parametrize("weights", [["a"], [float("nan")], [True]])
+def test_a_weight_that_is_no_finite_number_is_refused(tmp_path, rewards_module, weights):
+    """A string weight was a TypeError traceback at the first evaluation; a NaN one blamed the reward function."""
+    train = _write(tmp_path / "t.jsonl", [{"prompt": "a"}])
+    with pytest.raises(ConfigError, match=r"^task 'jsonl': reward_weights must be a list of finite numbers, one per "
+                                          r"reward function, got \["):
+        build(train, reward_funcs=[f"{rewards_module}:length"], reward_weights=weights)
+    with pytest.raises(ConfigError, match=r"^data.task_args.reward_weights: a list of numbers, one per reward "
+                                          r"function, got 5$"):
+        build(train, reward_funcs=[f"{rewards_module}:length"], reward_weights=5)
+
+
+@pytest.mark.parametrize("prompt", ["", "  \n"])
+def test_an_empty_prompt_is_named_with_its_line(tmp_path, rewards_module, prompt):
+    """It was trained on, exit 0 (the other tasks refuse one)."""
+    train = _write(tmp_path / "t.jsonl", [{"prompt": "a"}, {"prompt": prompt}])
+    with pytest.raises(DataError, match=f"^{train}:2: field 'prompt' is empty$"):
+        build(train, reward_funcs=[f"{rewards_module}:length"])
+
+
 def test_import_function_accepts_both_spellings():
     from esrl.tasks.conciseness import length_reward
 

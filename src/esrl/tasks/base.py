@@ -64,6 +64,12 @@ class Task:
             raise ConfigError(f"task {self.name!r}: reward functions share a name: {'; '.join(repeated)}: each logs "
                               "as rewards/<its name>, so one would hide the other; rename one (or give one function "
                               "a larger weight than list it twice)")
+        if self.reward_weights is not None and (
+                not isinstance(self.reward_weights, (list, tuple)) or not all(
+                    isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
+                    for w in self.reward_weights)):  # a string weight failed at the first rewards, as a TypeError
+            raise ConfigError(f"task {self.name!r}: reward_weights must be a list of finite numbers, one per reward "
+                              f"function, got {self.reward_weights!r}")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             raise ConfigError(f"task {self.name!r}: {len(self.reward_weights)} reward_weights for "
                               f"{len(self.reward_funcs)} reward functions")

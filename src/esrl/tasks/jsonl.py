@@ -39,10 +39,13 @@ def import_function(spec: str, field: str = "data.task_args.reward_funcs") -> Re
 
 
 def _check_prompt(field: str) -> Callable[[dict[str, Any], str], None]:
-    """A prompt is text or a chat conversation: a non-empty list of {"role", "content"} string messages."""
+    """A prompt is text or a chat conversation: a non-empty list of {"role", "content"} string messages; empty text (or
+    only spaces) is no prompt, as the other tasks say."""
 
     def check(row: dict[str, Any], where: str) -> None:
         value = row[field]
+        if isinstance(value, str) and not value.strip():
+            raise DataError(f"{where}: field {field!r} is empty")
         if isinstance(value, str) or (isinstance(value, list) and value and all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in value)):
@@ -75,6 +78,9 @@ def build(train_path: str, eval_path: str | None = None, prompt_field: str = "pr
         raise ConfigError("data.task_args.reward_funcs: give at least one reward function "
                           "('package.module:function')")
     funcs = [import_function(spec) for spec in reward_funcs]
+    if reward_weights is not None and not isinstance(reward_weights, (list, tuple)):
+        raise ConfigError(f"data.task_args.reward_weights: a list of numbers, one per reward function, got "
+                          f"{reward_weights!r}")
     if reward_weights is not None and len(reward_weights) != len(funcs):
         raise ConfigError(f"data.task_args.reward_weights: {len(reward_weights)} weights for {len(funcs)} "
                           "reward functions")
