@@ -10,8 +10,8 @@ LOCK := requirements/cpu.txt
 DEMO_STEPS ?=
 # pytest-xdist workers for `make test`, each taking whole test files (a file's module fixtures, such as the Elo tests'
 # vLLM server, start once). Most tests wait on one core (a process start, a tiny model): on 2 cores, 2 workers take
-# ~0.7x the time of one and 3 workers ~0.88x that of 2. Each worker may hold a vLLM-CPU engine (~3 GiB); 1 runs the suite
-# in one process.
+# ~0.7x the time of one and 3 workers ~0.88x that of 2. Each worker may hold a vLLM-CPU engine (its model and a
+# 2 GiB KV cache); 1 runs the suite in one process.
 TEST_WORKERS ?= 3
 # The Python 3.12 interpreter that resolves requirements/gpu.txt.
 GPU_PY ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) $(shell command -v python3.12) python3.12)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import difflib
 import logging
+import os
 import re
 import sys
-import os
 from pathlib import Path
 import warnings
 

@@ -46,9 +46,8 @@ def _full_name(path: str) -> str:
 
 def _repeated_key(stream: str) -> tuple[str, int, int, str] | None:
     """(key, its line, the line it first stood on and how it was written there) of a key a mapping of the document
-    repeats, else None. Keys are
-    compared as the config's loader reads them (`1e-3` and `0.001`, `on` and `true` are one key; `1` and `"1"` two),
-    not as written."""
+    repeats, else None. Keys are compared as the config's loader reads them (`1e-3` and `0.001`, `on` and `true` are
+    one key; `1` and `"1"` two), not as written."""
     stack = [yaml.compose(stream, Loader=yaml.SafeLoader)]
     plain = yaml.SafeLoader("")  # YAML's own tag resolution and construction
     while stack:

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if base is None and not models:
         raise AnalysisError("no model: pass --base and/or --models")
     for flag in ("max_new_tokens", "batch_size", "num_prompts", "seeds", "coverage_k"):  # 0 ran as 1, or nothing
-        if getattr(args, flag, 1) < 1:
+        if getattr(args, flag) < 1:
             raise AnalysisError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     sigmas = _floats(args.sigmas, "--sigmas")
     alphas = _floats(args.alphas, "--alphas")
