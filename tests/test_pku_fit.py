@@ -167,15 +167,22 @@ def test_killed_service_stops_cleanly_and_resume_loses_nothing(tiny_model, score
 
 
 def test_grpo_adapts_lambda_from_its_rollouts_costs(tiny_model, service, tmp_path):
-    """GRPO trains on per-sample reward - lambda * cost and adapts lambda the same way after each step."""
+    """GRPO trains on per-sample reward - lambda * cost and adapts lambda the same way after each step, logging the
+    constraint metrics ES logs (GRPO logged no raw reward or safe fraction: its runs could not be compared on them)."""
     final = fit_final(pku_config(tmp_path / "grpo.yaml", tiny_model, service.url), tmp_path / "run",
                       "--algo", "grpo", "--trainer.max_steps", "2")
     run_dir = final.parent.parent
     rows = metric_rows(run_dir)
     assert len(rows) == 2
+    with open(run_dir / "metrics.csv") as f:  # GRPO logs the rewards' statistics in a row of their own
+        reward_mean = {r["step"]: r["train/reward_mean"] for r in csv.DictReader(f) if r.get("train/reward_mean")}
     lam = 1.0
     for r in rows:
         assert float(r["train/lambda"]) == pytest.approx(lam, rel=1e-6)  # the CSV holds float32
+        assert 0.0 <= float(r["train/safe_frac"]) <= 1.0
+        # the rewards trained on: raw reward - lambda * cost per sample, so their mean is the same of the means
+        assert float(reward_mean[r["step"]]) == pytest.approx(
+            float(r["train/raw_reward_mean"]) - lam * float(r["train/cost_mean"]), abs=1e-5)
         lam = math.exp(math.log(lam) + LAMBDA_LR * float(r["train/cost_mean"]))
     ckpt = torch.load(run_dir / "checkpoints" / "step=2.ckpt", weights_only=True)
     assert ckpt["esrl_lagrangian"]["steps"] == 2

@@ -206,15 +206,18 @@ class PolicyModule(L.LightningModule):
         """The task's reward with a cost (its last raw rewards and costs, its Lagrangian); None without a cost."""
         return find_constrained_reward(self.task)
 
-    def adapt_lambda(self, cost_sum: float, count: int) -> dict[str, float]:
-        """After a step's update: lambda adapts to the step's mean cost over all ranks (the caller sums them).
+    def adapt_lambda(self, cost_sum: float, raw_reward_sum: float, safe_sum: float, count: int) -> dict[str, float]:
+        """After a step's update: lambda adapts to the step's mean cost over all ranks (the caller sums them, over
+        ES's members or GRPO's samples; safe_sum counts cost <= 0).
 
-        Returns the step's constraint metrics, lambda being the value the step trained with."""
+        Returns the step's constraint metrics, the same for both algorithms, lambda being the value the step trained
+        with."""
         lagrangian = self.constraint.lagrangian
         used = lagrangian.lam
-        mean_cost = cost_sum / max(1, count)
-        lagrangian.update(mean_cost)
-        return {"train/lambda": used, "train/cost_mean": mean_cost}
+        count = max(1, count)
+        lagrangian.update(cost_sum / count)
+        return {"train/lambda": used, "train/cost_mean": cost_sum / count,
+                "train/raw_reward_mean": raw_reward_sum / count, "train/safe_frac": safe_sum / count}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self._trainer is not None:  # a resumed run continues this folder (esrl.cli)

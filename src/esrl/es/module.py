@@ -198,9 +198,8 @@ class ESModule(PolicyModule):
 
         extra = {"train/bad_rewards": bad}  # members left out of the update for a NaN/inf reward
         if self.constraint is not None:  # every rank holds all members' costs: lambda stays equal across ranks
-            extra.update(self.adapt_lambda(float(scores[:, 2].sum()), len(members)))
-            extra.update({"train/raw_reward_mean": float(scores[:, 1].mean()),
-                          "train/safe_frac": float(scores[:, 3].mean())})
+            extra.update(self.adapt_lambda(float(scores[:, 2].sum()), float(scores[:, 1].sum()),
+                                           float(scores[:, 3].sum()), len(members)))
         self._log_iteration(fitness, shaped, alpha, time.perf_counter() - start, extra)
 
     def check_drift(self, iteration: int) -> None:

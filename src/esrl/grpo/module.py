@@ -81,7 +81,7 @@ class GRPOModule(PolicyModule):
         self._rollouts: list[RolloutBatch] = []  # this optimizer step's micro-batches, reused for mu steps
         self._window_sampled = False  # whether this optimizer step rolled out its window (else reused it)
         self._step_start = 0.0
-        self._step_costs: list[float] = []  # costs of this optimizer step's rollouts (tasks with a cost)
+        self._step_scores: list[tuple[float, float]] = []  # (raw reward, cost) of the step's rollouts, if a cost
         self._window_log: list[tuple[RolloutBatch, dict[str, torch.Tensor]]] = []  # logged once the window closes
 
     # -- models ----------------------------------------------------------------------------------------------
@@ -244,7 +244,7 @@ class GRPOModule(PolicyModule):
             rewards = self.task.rewards(repeated, [c.text for c in completions], [c.token_ids for c in completions],
                                         unscorable=math.nan, **self.reward_context())
         if self.constraint is not None:  # per-sample reward - lambda * cost; the costs adapt lambda after the step
-            self._step_costs.extend(self.constraint.last_costs)
+            self._step_scores.extend(zip(self.constraint.last_rewards, self.constraint.last_costs, strict=True))
         window = Scores(self.checked_rewards(torch.tensor(rewards, dtype=torch.float32), self.task.last_unscorable),
                         ~torch.tensor(self.task.last_scored, dtype=torch.bool),
                         {k: torch.tensor(v) for k, v in self.task.last_per_function.items()})
@@ -369,18 +369,19 @@ class GRPOModule(PolicyModule):
 
     def _adapt_lambda(self, step: int) -> None:
         """lambda from the mean cost of this step's fresh rollouts on all ranks (none when rollouts are reused)."""
-        local = torch.tensor([math.fsum(self._step_costs), len(self._step_costs)], dtype=torch.float64)
-        self._step_costs = []
-        total = self.trainer.strategy.reduce(local.to(self.device), reduce_op="sum").cpu()
-        if total[1] > 0:
-            self.log_once(self.adapt_lambda(float(total[0]), int(total[1])), step)
+        raw, costs = zip(*self._step_scores) if self._step_scores else ((), ())
+        local = [math.fsum(costs), math.fsum(raw), sum(c <= 0 for c in costs), len(costs)]
+        self._step_scores = []
+        total = self.trainer.strategy.reduce(torch.tensor(local, dtype=torch.float64, device=self.device),
+                                             reduce_op="sum")
+        if total[3] > 0:
+            self.log_once(self.adapt_lambda(*(float(t) for t in total[:3]), int(total[3])), step)
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         """The time split of the micro-batch: update is the policy forward, backward and optimizer step."""
         total = time.perf_counter() - self._step_start
-        times = {f"time/{k}": v for k, v in self._timings.items()}
-        times["time/update"] = total - sum(self._timings.values())
-        times["time/step"] = total
+        times = {**{f"time/{k}": v for k, v in self._timings.items()},
+                 "time/update": total - sum(self._timings.values()), "time/step": total}
         self.log_dict(times, on_step=True, on_epoch=False, sync_dist=True)
         super().on_train_batch_end(outputs, batch, batch_idx)  # compile times of the engine, once
 
