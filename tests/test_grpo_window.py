@@ -19,10 +19,10 @@ pytestmark = pytest.mark.slow
 G = 4
 
 
-def _fit(tiny_model, root, reward, scale_rewards: str = "group", callbacks=(), **grpo):
+def _fit(tiny_model, root, reward, scale_rewards: str = "group", callbacks=(), evaluation=None, **grpo):
     """One optimizer step of 2 micro-batches of 1 prompt (the conciseness fixture's first two) x G completions,
     the task's reward replaced by `reward` (`callbacks` and model.grpo's `grpo` added); the module and its
-    metrics.csv row."""
+    metrics.csv row. `evaluation`: the Evaluation callback (default: none before or after training)."""
     from esrl.callbacks import Evaluation
     from esrl.grpo.config import GRPOConfig
     from esrl.grpo.module import GRPOModule
@@ -39,7 +39,7 @@ def _fit(tiny_model, root, reward, scale_rewards: str = "group", callbacks=(), *
     L.Trainer(accelerator="cpu", devices=1, max_steps=1, accumulate_grad_batches=2, enable_progress_bar=False,
               enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0, default_root_dir=root,
               logger=CSVLogger(root, name="", version=""), log_every_n_steps=1,
-              callbacks=[Reward(), Evaluation(before=False, after=False), *callbacks]).fit(module, datamodule=data)
+              callbacks=[Reward(), evaluation or Evaluation(before=False, after=False), *callbacks]).fit(module, datamodule=data)
     with open(root / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     (step,) = {r["step"] for r in rows if r.get("train/reward_mean")}  # the step's rows: Lightning's, its samples'
@@ -64,6 +64,18 @@ def test_step_metrics_cover_every_micro_batch_of_the_step(tiny_model, tmp_path):
     assert math.isclose(row["train/reward_std"], float(rewards.std()), rel_tol=1e-6)
     assert row["train/reward_group_std"] == 0.0 and row["train/frac_reward_zero_std"] == 1.0
     assert row["train/unscorable"] == 0 and row["train/bad_rewards"] == 0
+
+
+def test_the_steps_time_covers_its_micro_batches_and_no_evaluation_runs_inside_it(tiny_model, tmp_path):
+    """time/* were the last micro-batch's (its rollout 0 s: the window is sampled at the first), and an evaluation every
+    step, not asked for before training, ran at step 0 between the two micro-batches."""
+    from esrl.callbacks import Evaluation
+
+    evaluation = Evaluation(every_n_steps=1, before=False, after=False)
+    _, row = _fit(tiny_model, tmp_path, lambda completions, **_: [1.0] * len(completions), evaluation=evaluation)
+    assert row["time/rollout"] > 0 and row["time/reward"] > 0 and row["time/update"] > 0
+    assert row["time/step"] == pytest.approx(sum(row[f"time/{k}"] for k in ("rollout", "reward", "logps", "update")))
+    assert [r["step"] for r in evaluation.history] == [1]
 
 
 def test_frac_reward_zero_std_is_trls_share_of_rewards_scaled_by_a_zero_std(tiny_model, tmp_path):

@@ -97,7 +97,8 @@ class Evaluation(L.Callback):
             self._run(trainer, module, "before")
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        if self.every_n_steps and trainer.global_step % self.every_n_steps == 0:
+        # global_step 0 (a micro-batch before the first optimizer step ends) is `before`'s, run only if asked
+        if self.every_n_steps and trainer.global_step and trainer.global_step % self.every_n_steps == 0:
             self._run(trainer, module, "during")
 
     def on_load_checkpoint(self, trainer, module, checkpoint: dict[str, Any]) -> None:

@@ -218,7 +218,7 @@ class ESModule(PolicyModule):
                    "train/sigma": self.es.sigma}
         metrics.update(extra)
         metrics.update({f"time/{k}": v for k, v in self._timings.items()})
-        metrics["time/iteration"] = total
+        metrics["time/step"] = total  # the name GRPO logs its step's under
         metrics.update(self.reward_metrics(metrics))  # what reward functions logged (log_metric), every process's
         self.log_dict({k: float(v) for k, v in metrics.items()}, on_step=True, on_epoch=False, rank_zero_only=True)
         self.log("reward", float(f.mean()), prog_bar=True, on_step=True, on_epoch=False, logger=False,

@@ -174,14 +174,14 @@ class GRPOModule(PolicyModule):
 
     # -- one step --------------------------------------------------------------------------------------------
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        self._timings = {"rollout": 0.0, "reward": 0.0, "logps": 0.0}
-        self._step_start = time.perf_counter()
         # Lightning's own test for the first micro-batch of an accumulation window (automatic optimization's
         # zero_grad): batch_idx counts this epoch's batches, and an epoch's last window may be short.
         accumulate = self.trainer.accumulate_grad_batches
         micro_batch = batch_idx % accumulate
         if micro_batch == 0:  # a new window: rolled out by this step (_window_sampled), or reused
             self._step_loss, self._window_log, self._window_sampled = 0.0, [], False
+        if micro_batch == 0 or not self._step_start:  # the step's time from its first micro-batch (or a resumed one)
+            self._timings, self._step_start = {"rollout": 0.0, "reward": 0.0, "logps": 0.0}, time.perf_counter()
         # DeepSpeed: Lightning calls optimizer_step and on_before_optimizer_step every micro-batch; steps on the last
         self._closes_window = micro_batch == accumulate - 1 or batch_idx + 1 == self.trainer.num_training_batches
         window_start = micro_batch == 0 and self.global_step % self.grpo.num_iterations == 0
@@ -356,6 +356,7 @@ class GRPOModule(PolicyModule):
         self.sync_engine()
         if self.constraint is not None:
             self._adapt_lambda(step)
+        self._log_times()
 
     def sync_engine(self) -> None:
         """An engine with its own weights (vLLM) gets the policy's: with model.grpo.lora the adapter (an adapter
@@ -377,13 +378,12 @@ class GRPOModule(PolicyModule):
         if total[3] > 0:
             self.log_once(self.adapt_lambda(*(float(t) for t in total[:3]), int(total[3])), step)
 
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        """The time split of the micro-batch: update is the policy forward, backward and optimizer step."""
-        total = time.perf_counter() - self._step_start
-        times = {**{f"time/{k}": v for k, v in self._timings.items()},
-                 "time/update": total - sum(self._timings.values()), "time/step": total}
-        self.log_dict(times, on_step=True, on_epoch=False, sync_dist=True)
-        super().on_train_batch_end(outputs, batch, batch_idx)  # compile times of the engine, once
+    def _log_times(self) -> None:
+        """The step's time split over its micro-batches (update: forwards, backwards, optimizer step), as ES's."""
+        total, self._step_start = time.perf_counter() - self._step_start, 0.0
+        self.log_dict({**{f"time/{k}": v for k, v in self._timings.items()},
+                       "time/update": total - sum(self._timings.values()), "time/step": total},
+                      on_step=True, on_epoch=False, sync_dist=True)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """num_iterations > 1, saved inside a reuse window: every process's rollouts (old logps included) too, so the

@@ -14,7 +14,8 @@ from esrl.grpo.importance import sampling_stats
 from esrl.grpo.loss import PooledMean
 from esrl.grpo.rollout_batch import RolloutBatch
 
-OTHER_HOOKS = ("train/loss", "train/grad_norm", "train/lambda", "train/cost_mean")
+OTHER_HOOKS = ("train/loss", "train/grad_norm", "train/lambda", "train/cost_mean", "train/raw_reward_mean",
+               "train/safe_frac")
 """Metrics the GRPO module logs from hooks other than the step's logging (the optimizer step's): a name a reward
 function's log_metric may not take either."""
 
