@@ -39,7 +39,8 @@ def _fit(tiny_model, root, reward, scale_rewards: str = "group", callbacks=(), e
     L.Trainer(accelerator="cpu", devices=1, max_steps=1, accumulate_grad_batches=2, enable_progress_bar=False,
               enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0, default_root_dir=root,
               logger=CSVLogger(root, name="", version=""), log_every_n_steps=1,
-              callbacks=[Reward(), evaluation or Evaluation(before=False, after=False), *callbacks]).fit(module, datamodule=data)
+              callbacks=[Reward(), evaluation or Evaluation(before=False, after=False), *callbacks]
+              ).fit(module, datamodule=data)
     with open(root / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     (step,) = {r["step"] for r in rows if r.get("train/reward_mean")}  # the step's rows: Lightning's, its samples'

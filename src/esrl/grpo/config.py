@@ -109,8 +109,9 @@ class GRPOConfig:
     last step after warmup (TRL default), `constant` (no warmup), or `constant_with_warmup`. Ignored when
     `--optimizer` or `--lr_scheduler` is given (the CLI's schedule, or none, replaces it)."""
     warmup_ratio: float = 0.0
-    """Fraction of the training steps with linear warmup from 0 (TRL's default 0, its `warmup_steps` below 1 since transformers 5), for `linear` and
-    `constant_with_warmup`; `constant` takes none (refused, where transformers ignores it)."""
+    """Fraction of the training steps with linear warmup from 0 (TRL's default 0, its `warmup_steps` below 1 since
+    transformers 5), for `linear` and `constant_with_warmup`; `constant` takes none (refused, where transformers
+    ignores it)."""
     max_grad_norm: float | None = 1.0
     """Gradient-norm clipping (TRL default 1.0), applied as `trainer.gradient_clip_val` when the trainer sets
     none; the trainer's value wins. With DeepSpeed set `trainer.gradient_clip_val` itself. None: no
