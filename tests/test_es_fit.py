@@ -32,14 +32,29 @@ def reference_run(es_config, tmp_path_factory) -> Path:
     return fit_final(es_config, tmp_path_factory.mktemp("run_a"))
 
 
+def train_rows(run_dir: Path) -> list[dict[str, float]]:
+    """metrics.csv's training rows, one per iteration, their logged values as floats."""
+    import csv
+
+    with open(run_dir / "metrics.csv") as f:
+        return [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(f) if r.get("train/reward_mean")]
+
+
 def test_fit_writes_final_model_logs_and_seed_log(reference_run):
     run_dir = reference_run.parent.parent
     assert (run_dir / "final" / "config.json").is_file()
     assert (run_dir / "metrics.csv").is_file()
     header = (run_dir / "metrics.csv").read_text().splitlines()[0]
     for key in ("train/reward_mean", "train/reward_std", "time/noise", "time/rollout", "time/reward",
-                "time/update", "eval/reward"):
+                "time/update", "time/step", "eval/reward"):
         assert key in header
+    assert len(train_rows(run_dir)) == STEPS
+    for row in train_rows(run_dir):  # the completions' series GRPO logs over its samples, here over the members'
+        assert 1 <= row["train/completion_length_min"] <= row["train/completion_length_mean"] \
+            <= row["train/completion_length_max"] <= 6  # max_new_tokens
+        assert 0 <= row["train/truncated_frac"] <= 1
+        # the task's one reward function, weight 1: its mean is the members' mean fitness
+        assert row["train/rewards/length_reward/mean"] == pytest.approx(row["train/reward_mean"], rel=1e-6)
     lines = (run_dir / "seed_log.jsonl").read_text().splitlines()
     assert len(lines) == 1 + STEPS  # header + one record per iteration
     assert len(list((run_dir / "checkpoints").glob("step=*.ckpt"))) == STEPS
@@ -70,6 +85,10 @@ def test_weights_move(tiny_model, reference_run):
 def test_two_processes_give_the_weights_of_one(es_config, reference_run, tmp_path):
     two = fit_final(es_config, tmp_path, "--trainer.devices", "2")
     assert_same_tensors(load_safetensors(reference_run), load_safetensors(two))
+    keys = ("train/reward_mean", "train/completion_length_min", "train/completion_length_mean",
+            "train/completion_length_max", "train/truncated_frac", "train/rewards/length_reward/mean")
+    assert [[r[k] for k in keys] for r in train_rows(two.parent.parent)] == \
+        [[r[k] for k in keys] for r in train_rows(reference_run.parent.parent)]  # each rank's members gathered
 
 
 def test_a_weight_that_drifts_on_one_rank_stops_the_run_naming_the_iteration(es_config, tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ from esrl.errors import ConfigError, DataError
 from esrl.es.config import ESConfig
 from esrl.es.engines import es_backend
 from esrl.es.fingerprint import weights_fingerprint
+from esrl.es.member_scores import COST, FITNESS, RAW_REWARD, SAFE, completion_metrics, member_table, width
 from esrl.es.modes import get_mode
 from esrl.es.noise import drawn_once, population
 from esrl.es.population_hooks import member_chunks
@@ -22,7 +23,7 @@ from esrl.es.shaping import shape_fitness
 from esrl.es.update import es_step, weights_checksum
 from esrl.policy import PolicyConfig, PolicyModule, precision_dtype, world_info
 from esrl.rollout import AdapterSpec, Completion, RolloutConfig, engine_capabilities
-from esrl.tasks.reward_values import check_bad_rewards
+from esrl.tasks.reward_values import check_bad_rewards, reward_name
 
 
 class WeightDriftError(RuntimeError):
@@ -98,22 +99,23 @@ class ESModule(PolicyModule):
         """Members per batched generate: rollout.max_batch_size // prompts (at least 1); never the world size."""
         return max(1, self.rollout_config.max_batch_size // max(1, n_prompts))
 
+    def reward_function_names(self) -> list[str]:
+        """The task's reward functions as its last_per_function names them (a repeated name once)."""
+        return list(dict.fromkeys(reward_name(f) for f in self.task.reward_funcs))
+
     def member_scores(self, rows: list[dict[str, Any]], completions: list[Completion],
                       n_members: int) -> torch.Tensor:
-        """(n_members, 4): each member's fitness (mean task reward) and, for tasks with a cost, its mean raw
-        reward, mean cost and safe fraction (cost <= 0). Completions are member-major, len(rows) per member."""
+        """esrl.es.member_scores' table: each member's fitness (mean task reward; with a cost, reward - lambda * cost,
+        lambda fixed within the iteration), its cost columns and its completions' statistics. Completions are
+        member-major, len(rows) per member."""
         with self.timed("reward"):
             rewards = self.task.rewards([r for _ in range(n_members) for r in rows], [c.text for c in completions],
                                         [c.token_ids for c in completions], **self.reward_context())
         self._bad_sources.update(self.task.last_bad)
-        scores = torch.zeros(n_members, 4, dtype=torch.float64)
-        scores[:, 0] = torch.tensor(rewards, dtype=torch.float64).view(n_members, -1).mean(1)
         constraint = self.constraint
-        if constraint is not None:  # fitness = mean reward - lambda * mean cost (lambda fixed within the iteration)
-            raw = torch.tensor(constraint.last_rewards, dtype=torch.float64).view(n_members, -1)
-            cost = torch.tensor(constraint.last_costs, dtype=torch.float64).view(n_members, -1)
-            scores[:, 1], scores[:, 2], scores[:, 3] = raw.mean(1), cost.mean(1), (cost <= 0).double().mean(1)
-        return scores
+        return member_table(n_members, rewards, [len(c.token_ids) for c in completions],
+                            [c.truncated for c in completions], self.task.last_per_function,
+                            None if constraint is None else (constraint.last_rewards, constraint.last_costs))
 
     def chunk_fitness(self, rows: list[dict[str, Any]], chunk, stop: list[str]) -> torch.Tensor:
         """member_scores of every member of one chunk, all evaluated in one batched generation. On an engine with
@@ -165,7 +167,7 @@ class ESModule(PolicyModule):
 
         # Members r, r+W, ... (sequential modes) or chunks r, r+W, ... (batched) on rank r; every rank fills its own
         # entries, the sum gathers them exactly.
-        local = torch.zeros(len(members), 4, dtype=torch.float64)
+        local = torch.zeros(len(members), width(len(self.reward_function_names())), dtype=torch.float64)
         if self.mode.batched:
             for chunk in member_chunks(members, self.members_per_chunk(len(rows)))[rank::world]:
                 for m, f in zip(chunk, self.chunk_fitness(rows, chunk, stop)):
@@ -175,7 +177,7 @@ class ESModule(PolicyModule):
                 local[m.index] = self.member_fitness(rows, m, stop)
         with self.timed("sync"):
             scores = self.trainer.strategy.sum_across_ranks(local) if world > 1 else local
-        fitness = scores[:, 0]
+        fitness = scores[:, FITNESS]
         bad = int((~torch.isfinite(fitness)).sum())  # every rank sees the same gathered fitness: all stop or none
         check_bad_rewards(bad, len(members), step=iteration, unit="ES members", sources=self._bad_sources,
                           min_usable=2)
@@ -197,9 +199,10 @@ class ESModule(PolicyModule):
                 self.check_drift(iteration)
 
         extra = {"train/bad_rewards": bad}  # members left out of the update for a NaN/inf reward
+        extra.update(completion_metrics(scores, self.reward_function_names()))
         if self.constraint is not None:  # every rank holds all members' costs: lambda stays equal across ranks
-            extra.update(self.adapt_lambda(float(scores[:, 2].sum()), float(scores[:, 1].sum()),
-                                           float(scores[:, 3].sum()), len(members)))
+            extra.update(self.adapt_lambda(*(float(scores[:, c].sum()) for c in (COST, RAW_REWARD, SAFE)),
+                                           len(members)))
         self._log_iteration(fitness, shaped, alpha, time.perf_counter() - start, extra)
 
     def check_drift(self, iteration: int) -> None:
