@@ -192,3 +192,29 @@ def test_es_update_is_one_lightning_optimizer_step_per_iteration(tiny_model, tmp
     assert all(p.grad is None for p in module.selection.params)  # dropped after the step
     with pytest.raises(ConfigError, match="trainer.precision"):
         fit("16-mixed", Steps())
+
+
+def test_the_member_table_gathered_from_ranks_gives_the_metrics_over_all_completions():
+    """Two members of two completions each, filled on two ranks and summed, against the values written out: a
+    reward function's None (NaN) values count in no mean, so its mean is over the completions it scored (0.5 as a
+    mean of members' means, 1/3 over all), and a function that scored none is NaN, as GRPO's nanmean."""
+    import math
+
+    from esrl.es.member_scores import COLUMNS, completion_metrics, member_table
+
+    nan = math.nan
+    rewards, lengths, truncated = [1, 0, 0, 0], [3, 4, 5, 6], [False, True, False, False]
+    per_function = {"f": [1.0, nan, 0.0, 0.0], "g": [nan] * 4}
+    whole = member_table(2, rewards, lengths, truncated, per_function)
+    assert whole.shape == (2, len(COLUMNS) + 4)
+    gathered = torch.zeros_like(whole)
+    for rank in range(2):  # each rank fills its own member's row, the others stay 0
+        mine = slice(2 * rank, 2 * rank + 2)
+        gathered[rank] += member_table(1, rewards[mine], lengths[mine], truncated[mine],
+                                       {k: v[mine] for k, v in per_function.items()})[0]
+    assert torch.equal(gathered, whole)
+    metrics = completion_metrics(gathered, ["f", "g"])
+    assert math.isnan(metrics.pop("train/rewards/g/mean"))
+    assert metrics == {"train/completion_length_mean": 4.5, "train/completion_length_min": 3.0,
+                       "train/completion_length_max": 6.0, "train/truncated_frac": 0.25,
+                       "train/rewards/f/mean": pytest.approx(1 / 3)}

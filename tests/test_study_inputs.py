@@ -10,6 +10,8 @@ import pytest
 from conftest import run_esrl
 from study_files import write_study
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("change, message", [
     ({"algorithms": ["es", "ppo"]}, "algorithms.ppo.algo: unknown algorithm 'ppo'"),

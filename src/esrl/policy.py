@@ -208,7 +208,8 @@ class PolicyModule(L.LightningModule):
 
     def adapt_lambda(self, cost_sum: float, raw_reward_sum: float, safe_sum: float, count: int) -> dict[str, float]:
         """After a step's update: lambda adapts to the step's mean cost over all ranks (the caller sums them, over
-        ES's members or GRPO's samples; safe_sum counts cost <= 0).
+        ES's members, each its rows' means, or GRPO's samples; safe_sum sums cost <= 0 as 1 or 0, or ES's members'
+        safe fractions).
 
         Returns the step's constraint metrics, the same for both algorithms, lambda being the value the step trained
         with."""

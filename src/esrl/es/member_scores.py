@@ -2,22 +2,25 @@
 
 Ranks fill the rows of their own members and leave the others 0, so a sum across ranks gathers the table exactly
 (min and max included: each row has one writer). The completion columns give ES the length, truncation and
-per-reward-function series that GRPO logs over its samples (every member decodes the same prompts, so a mean over
-members' means is the mean over all completions)."""
+per-reward-function series that GRPO logs over its samples: every member decodes the same prompts, so a mean over
+members' mean lengths is the mean over all completions; a reward function's None values differ between members, so
+its columns are a sum and a count, divided once over the whole population."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
 
 COLUMNS = ("fitness", "raw_reward", "cost", "safe", "length_mean", "length_min", "length_max", "truncated")
-"""The fixed columns; each reward function's mean follows, in the task's order."""
+"""The fixed columns; each reward function's sum and count of values (its None left out) follow, in the task's
+order."""
 FITNESS, RAW_REWARD, COST, SAFE, LENGTH_MEAN, LENGTH_MIN, LENGTH_MAX, TRUNCATED = range(len(COLUMNS))
 
 
 def width(num_functions: int) -> int:
-    return len(COLUMNS) + num_functions
+    return len(COLUMNS) + 2 * num_functions
 
 
 def member_table(n_members: int, rewards: Sequence[float], lengths: Sequence[int], truncated: Sequence[bool],
@@ -25,7 +28,8 @@ def member_table(n_members: int, rewards: Sequence[float], lengths: Sequence[int
                  raw_and_costs: tuple[Sequence[float], Sequence[float]] | None = None) -> torch.Tensor:
     """[n_members, width] from member-major per-completion values: the fitness (mean task reward); with a cost
     (`raw_and_costs`), the mean raw reward, mean cost and safe fraction (cost <= 0); the completions' mean, min and
-    max length in tokens and truncated share; each reward function's mean leaving out its None (NaN) values."""
+    max length in tokens and truncated share; each reward function's sum and count leaving out its None (NaN)
+    values."""
     def per_member(values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float64).view(n_members, -1)
 
@@ -38,7 +42,9 @@ def member_table(n_members: int, rewards: Sequence[float], lengths: Sequence[int
     table[:, LENGTH_MEAN], table[:, LENGTH_MIN], table[:, LENGTH_MAX] = length.mean(1), length.amin(1), length.amax(1)
     table[:, TRUNCATED] = per_member([float(t) for t in truncated]).mean(1)
     for j, values in enumerate(per_function.values()):
-        table[:, len(COLUMNS) + j] = per_member(values).nanmean(1)
+        given = per_member(values)
+        table[:, len(COLUMNS) + 2 * j] = given.nansum(1)
+        table[:, len(COLUMNS) + 2 * j + 1] = (~given.isnan()).sum(1)
     return table
 
 
@@ -49,6 +55,7 @@ def completion_metrics(table: torch.Tensor, function_names: Sequence[str]) -> di
                "train/completion_length_min": table[:, LENGTH_MIN].min(),
                "train/completion_length_max": table[:, LENGTH_MAX].max(),
                "train/truncated_frac": table[:, TRUNCATED].mean()}
-    for j, name in enumerate(function_names):
-        metrics[f"train/rewards/{name}/mean"] = table[:, len(COLUMNS) + j].nanmean()
+    for j, name in enumerate(function_names):  # NaN where it gave no value, as GRPO's nanmean
+        given = table[:, len(COLUMNS) + 2 * j + 1].sum()
+        metrics[f"train/rewards/{name}/mean"] = table[:, len(COLUMNS) + 2 * j].sum() / given if given else math.nan
     return {k: float(v) for k, v in metrics.items()}
