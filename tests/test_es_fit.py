@@ -48,8 +48,9 @@ def test_fit_writes_final_model_logs_and_seed_log(reference_run):
     for key in ("train/reward_mean", "train/reward_std", "time/noise", "time/rollout", "time/reward",
                 "time/update", "time/step", "eval/reward"):
         assert key in header
-    assert len(train_rows(run_dir)) == STEPS
-    for row in train_rows(run_dir):  # the completions' series GRPO logs over its samples, here over the members'
+    rows = train_rows(run_dir)
+    assert len(rows) == STEPS
+    for row in rows:  # the completions' series GRPO logs over its samples, here over the members'
         assert 1 <= row["train/completion_length_min"] <= row["train/completion_length_mean"] \
             <= row["train/completion_length_max"] <= 6  # max_new_tokens
         assert 0 <= row["train/truncated_frac"] <= 1

@@ -41,10 +41,10 @@ def member_table(n_members: int, rewards: Sequence[float], lengths: Sequence[int
     length = per_member(lengths)
     table[:, LENGTH_MEAN], table[:, LENGTH_MIN], table[:, LENGTH_MAX] = length.mean(1), length.amin(1), length.amax(1)
     table[:, TRUNCATED] = per_member([float(t) for t in truncated]).mean(1)
+    functions = table[:, len(COLUMNS):].view(n_members, -1, 2)  # [member, function, (sum, count)]
     for j, values in enumerate(per_function.values()):
         given = per_member(values)
-        table[:, len(COLUMNS) + 2 * j] = given.nansum(1)
-        table[:, len(COLUMNS) + 2 * j + 1] = (~given.isnan()).sum(1)
+        functions[:, j, 0], functions[:, j, 1] = given.nansum(1), (~given.isnan()).sum(1)
     return table
 
 
@@ -55,7 +55,7 @@ def completion_metrics(table: torch.Tensor, function_names: Sequence[str]) -> di
                "train/completion_length_min": table[:, LENGTH_MIN].min(),
                "train/completion_length_max": table[:, LENGTH_MAX].max(),
                "train/truncated_frac": table[:, TRUNCATED].mean()}
-    for j, name in enumerate(function_names):  # NaN where it gave no value, as GRPO's nanmean
-        given = table[:, len(COLUMNS) + 2 * j + 1].sum()
-        metrics[f"train/rewards/{name}/mean"] = table[:, len(COLUMNS) + 2 * j].sum() / given if given else math.nan
+    sums, counts = table[:, len(COLUMNS):].reshape(len(table), -1, 2).sum(0).unbind(-1)
+    for name, total, given in zip(function_names, sums.tolist(), counts.tolist(), strict=True):
+        metrics[f"train/rewards/{name}/mean"] = total / given if given else math.nan  # NaN as GRPO's nanmean
     return {k: float(v) for k, v in metrics.items()}

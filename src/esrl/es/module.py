@@ -99,10 +99,6 @@ class ESModule(PolicyModule):
         """Members per batched generate: rollout.max_batch_size // prompts (at least 1); never the world size."""
         return max(1, self.rollout_config.max_batch_size // max(1, n_prompts))
 
-    def reward_function_names(self) -> list[str]:
-        """The task's reward functions as its last_per_function names them (a repeated name once)."""
-        return list(dict.fromkeys(reward_name(f) for f in self.task.reward_funcs))
-
     def member_scores(self, rows: list[dict[str, Any]], completions: list[Completion],
                       n_members: int) -> torch.Tensor:
         """esrl.es.member_scores' table: each member's fitness (mean task reward; with a cost, reward - lambda * cost,
@@ -164,10 +160,11 @@ class ESModule(PolicyModule):
         rank, world = world_info(self)
         members = population(self.noise_seed, iteration, self.es.population_size, self.es.antithetic)
         stop = self.stop_strings()
+        functions = [reward_name(f) for f in self.task.reward_funcs]  # unique (Task), last_per_function's keys
 
         # Members r, r+W, ... (sequential modes) or chunks r, r+W, ... (batched) on rank r; every rank fills its own
         # entries, the sum gathers them exactly.
-        local = torch.zeros(len(members), width(len(self.reward_function_names())), dtype=torch.float64)
+        local = torch.zeros(len(members), width(len(functions)), dtype=torch.float64)
         if self.mode.batched:
             for chunk in member_chunks(members, self.members_per_chunk(len(rows)))[rank::world]:
                 for m, f in zip(chunk, self.chunk_fitness(rows, chunk, stop)):
@@ -199,7 +196,7 @@ class ESModule(PolicyModule):
                 self.check_drift(iteration)
 
         extra = {"train/bad_rewards": bad}  # members left out of the update for a NaN/inf reward
-        extra.update(completion_metrics(scores, self.reward_function_names()))
+        extra.update(completion_metrics(scores, functions))
         if self.constraint is not None:  # every rank holds all members' costs: lambda stays equal across ranks
             extra.update(self.adapt_lambda(*(float(scores[:, c].sum()) for c in (COST, RAW_REWARD, SAFE)),
                                            len(members)))
