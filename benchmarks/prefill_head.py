@@ -40,14 +40,13 @@ def main() -> None:
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
 
     from esrl.models import load_tokenizer
-    from esrl.rollout.text import render_prompts
+    from esrl.rollout.text import encode_prompts, left_padded
     from esrl.tasks import build_task
 
     model = build_model(args.model, args.device, args.dtype)
     tok = load_tokenizer(args.tokenizer)
     task = build_task("conciseness")
-    texts = render_prompts(tok, task.prompts(bench_rows(task, args.rows)))
-    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(args.device)
+    enc = left_padded(tok, encode_prompts(tok, task.prompts(bench_rows(task, args.rows)))).to(args.device)
     last = torch.tensor([enc["input_ids"].shape[1] - 1], device=args.device)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     variants = {"frozen_slice": (False, 1), "frozen_index": (False, last), "trainable_slice": (True, 1)}

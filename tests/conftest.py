@@ -6,6 +6,7 @@ import os
 import socket
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from cli_runner import CALLS, ESRL, ROOT, run_esrl, stop_server  # noqa: F401 (ESRL, ROOT, run_esrl: for the tests)
@@ -50,6 +51,25 @@ def conciseness_data(prompts_per_step: int = 1):
     from esrl.data import PromptDataModule
 
     return PromptDataModule("conciseness", dict(CONCISENESS_FILES), prompts_per_step=prompts_per_step, shuffle=False)
+
+
+class FailAt(L.Callback):
+    """Makes `target(module)`'s `name` raise `error` once trainer.global_step reaches `step` (`when(*args)` narrows
+    the calls; an iteration's update counts its step before the calls after it)."""
+
+    def __init__(self, target, name: str, step: int, when=lambda *a: True, error: type[Exception] = RuntimeError):
+        self.target, self.name, self.step, self.when, self.error = target, name, step, when, error
+
+    def on_train_start(self, trainer, module):
+        obj = self.target(module)
+        method = getattr(obj, self.name)
+
+        def failing(*args, **kwargs):
+            if trainer.global_step >= self.step and self.when(*args):
+                raise self.error(f"{self.name} failed (injected)")
+            return method(*args, **kwargs)
+
+        setattr(obj, self.name, failing)
 
 
 def write_tiny_config(path: Path, model: str, *, seed: int = 3, prompts_per_step: int = 1, max_steps: int = 2,

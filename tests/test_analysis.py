@@ -168,6 +168,27 @@ def test_bad_flags_are_one_error_before_any_model_loads(tiny_model, tmp_path, mo
               str(tmp_path / "out"), "--no-progress", *(f.replace("{model}", tiny_model) for f in flags)])
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["all", "--alphas", "0,0.5"], r"^--alphas must include 0 and 1"),
+    (["all", "--temperature", "0"], r"^--coverage-sigma and --temperature must be finite and > 0"),
+    (["robustness", "connectivity", "--sigmas", "0,inf"], r"^--sigmas must be finite non-negative numbers"),
+    (["robustness", "similarity", "--no-base"], r"^similarity needs --base"),
+])
+def test_every_selected_analysis_checks_its_flags_before_any_model_loads(tiny_model, tmp_path, monkeypatch, argv,
+                                                                         message):
+    """`esrl analyze all` (the default) checked connectivity's --alphas or similarity's --base only once robustness
+    had run in full, then stopped without a summary."""
+    from esrl.analysis import common
+    from esrl.analysis.cli import main
+    from esrl.errors import EsrlError
+
+    monkeypatch.setattr(common, "load_model", lambda *a: pytest.fail("a model loaded despite the bad flag"))
+    base = [] if "--no-base" in argv else ["--base", tiny_model]
+    with pytest.raises(EsrlError, match=message):
+        main([*(a for a in argv if a != "--no-base"), *base, "--models", f"run={tiny_model}", "--out",
+              str(tmp_path / "out"), "--no-progress"])
+
+
 def test_out_that_is_a_file_is_one_line_and_exit_2(tiny_model, tmp_path):
     (tmp_path / "taken").write_text("a file, not a folder")
     res = run_esrl("analyze", "similarity", "--base", tiny_model, "--models", f"run={tiny_model}", "--out",

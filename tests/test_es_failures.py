@@ -8,7 +8,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from conftest import conciseness_data
+from conftest import FailAt, conciseness_data
 
 
 def _fit(tiny_model, root, steps: int = 2, callbacks=(), mode: str = "full", ckpt_path=None):
@@ -30,25 +30,6 @@ def _fit(tiny_model, root, steps: int = 2, callbacks=(), mode: str = "full", ckp
     except RuntimeError as e:
         module.error = e
     return module
-
-
-class FailAt(L.Callback):
-    """Makes `target(module)`'s `name` raise once trainer.global_step reaches `step` (`when(*args)` narrows the
-    calls; an iteration's update counts its step before the calls after it)."""
-
-    def __init__(self, target, name: str, step: int, when=lambda *a: True):
-        self.target, self.name, self.step, self.when = target, name, step, when
-
-    def on_train_start(self, trainer, module):
-        obj = self.target(module)
-        method = getattr(obj, self.name)
-
-        def failing(*args, **kwargs):
-            if trainer.global_step >= self.step and self.when(*args):
-                raise RuntimeError(f"{self.name} failed (injected)")
-            return method(*args, **kwargs)
-
-        setattr(obj, self.name, failing)
 
 
 def test_a_perturbation_that_fails_part_way_is_restored(tiny_model, tmp_path):
@@ -118,6 +99,18 @@ def test_a_run_whose_final_save_fails_keeps_its_interrupted_checkpoint(tiny_mode
     assert "save_final failed" in str(module.error) and spent.is_file()
     _fit(tiny_model, tmp_path, steps=1, callbacks=[Interruption()])
     assert not spent.exists() and (tmp_path / "final" / "model.safetensors").is_file()
+
+
+def test_a_final_save_that_fails_part_way_leaves_no_final_folder(tiny_model, tmp_path):
+    """transformers writes config.json before the weights, and sweeps and studies count a run with final/config.json
+    as done (esrl.fit_runs.final_dir): a save that failed after it (here the tokenizer's, after the model's) left a
+    final/ that a rerun skipped instead of resuming. final/ appears only complete; the next finished fit writes it."""
+    root = tmp_path / "run"
+    module = _fit(tiny_model, root, steps=1, callbacks=[FailAt(lambda m: m.tokenizer, "save_pretrained", 0)])
+    assert "save_pretrained failed" in str(module.error)
+    assert (root / "final.partial" / "config.json").is_file() and not (root / "final").exists()
+    _fit(tiny_model, root, steps=1)
+    assert (root / "final" / "tokenizer_config.json").is_file() and not (root / "final.partial").exists()
 
 
 def test_a_checkpoint_saved_when_a_step_fails_resumes_with_that_steps_prompt(tiny_model, tmp_path):

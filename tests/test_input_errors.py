@@ -75,6 +75,39 @@ def test_an_option_a_task_does_not_take_is_named_with_what_it_takes():
         build_task("jsonl")
 
 
+@pytest.mark.parametrize("task,options,message", [
+    ("countdown", {"num_train": 1.5}, "data.task_args.num_train: expected int, got 1.5"),  # was a slice's error
+    ("countdown", {"num_train": True}, "data.task_args.num_train: expected int, got True"),
+    ("math", {"format_weight": "0.1"}, "data.task_args.format_weight: expected float, got '0.1'"),
+    ("jsonl", {"train_path": "x", "reward_funcs": [1]},
+     "data.task_args.reward_funcs: expected a list of str, got [1]"),
+    ("jsonl", {"train_path": "x", "reward_funcs": "m:f", "stop": 5},
+     "data.task_args.stop: expected a list of str, got 5"),
+    ("mymod:build", {}, "data.task: cannot import 'mymod:build' (No module named 'mymod')"),  # was a traceback
+    ("esrl.tasks.conciseness:nothing", {}, "data.task: cannot import 'esrl.tasks.conciseness:nothing' "
+                                           "('esrl.tasks.conciseness' has no 'nothing')"),
+    ("esrl.tasks.conciseness:completion_text", {"completion": "x"},
+     "data.task: 'esrl.tasks.conciseness:completion_text' returned str, not an esrl.tasks.Task"),
+])
+def test_a_task_option_of_the_wrong_type_or_a_task_path_that_does_not_import_is_named(task, options, message):
+    from esrl.tasks import build_task
+
+    with pytest.raises(ConfigError) as err:
+        build_task(task, **options)
+    assert str(err.value).startswith(message)
+
+
+def test_an_infinite_or_nan_config_number_is_named():
+    """`sigma: .inf` passed `sigma > 0` and trained on noise of infinite size (NaN fails comparisons silently)."""
+    from esrl.es.config import ESConfig
+    from esrl.grpo.config import GRPOConfig
+
+    with pytest.raises(ConfigError, match=r"^model.es.sigma: must be a finite number, got inf$"):
+        ESConfig(sigma=float("inf")).validate()
+    with pytest.raises(ConfigError, match=r"^model.grpo.beta: must be a finite number, got nan$"):
+        GRPOConfig(beta=float("nan")).validate()
+
+
 def test_a_seed_log_cut_in_its_header_and_a_negative_step_are_named(tmp_path):
     from esrl.es.seed_log import read_seed_log
 

@@ -82,6 +82,31 @@ def test_token_file_written_once_and_read_by_the_client(tmp_path, monkeypatch):
         client_token()
 
 
+def test_a_token_an_http_header_cannot_carry_is_named_where_it_came_from(tmp_path, monkeypatch):
+    """httpx encodes a header as ASCII: a token 'clé' raised UnicodeEncodeError from inside the first request (or
+    `esrl env`'s scorer check), naming neither the token nor where it came from. Each source is named, before any
+    request; the judge's API key too."""
+    from esrl.elo.judge import api_key_from_env
+
+    monkeypatch.delenv(ENV_FILE, raising=False)
+    monkeypatch.setenv(ENV, "clé")
+    with pytest.raises(ConfigError, match=f"^{ENV}: a token must be printable ASCII without spaces"):
+        client_token()
+    with pytest.raises(ConfigError, match=r"^the scorer's token \(data.task_args.token\): a token must be"):
+        client_token("clé")
+    path = tmp_path / "token"
+    path.write_text("pässwort\n")
+    monkeypatch.setenv(ENV_FILE, str(path))
+    with pytest.raises(ConfigError, match=f"^scorer token file {path}: a token must be"):
+        client_token()
+    with pytest.raises(ConfigError, match="^--token: a token must be"):
+        server_token("clé", None, no_token=False, host="127.0.0.1")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-é")
+    monkeypatch.delenv("ESRL_JUDGE_API_KEY", raising=False)
+    with pytest.raises(ConfigError, match="^OPENAI_API_KEY: a token must be"):
+        api_key_from_env()
+
+
 def test_no_token_is_refused_off_loopback_in_one_line(capsys):
     from esrl.cli import main
 

@@ -115,6 +115,13 @@ def test_changed_analysis_settings_rerun_the_analysis_and_same_ones_reuse_it(tin
     written = json.loads((tmp_path / "out" / "analysis" / "all" / "connectivity_seed=0" / "connectivity.json")
                          .read_text())
     assert written["alphas"] == [0.0, 0.5, 1.0]
+    summary = tmp_path / "out" / "analysis" / "all" / "connectivity_seed=0" / "summary.json"
+    assert not list(summary.parent.glob("*.partial"))
+    for damaged in (summary.read_text()[:40], "[1, 2]"):  # a kill mid-write (before writes were whole), a hand edit
+        summary.write_text(damaged)  # was a raw JSONDecodeError (AttributeError) out of `esrl study --report`
+        report(alphas=[0, 0.5, 1], num_prompts=2, max_new_tokens=3)
+        assert json.loads(summary.read_text())["models"][0]["path"] == tiny_model
+    assert len(calls) == 6
 
 
 def test_a_bad_reward_count_missing_from_an_evaluation_counts_as_zero(tmp_path):

@@ -1,5 +1,11 @@
 """User-facing errors: the CLI prints these as one line and exits non-zero, without a traceback."""
 
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
 
 class EsrlError(Exception):
     """Bad input from the user (config, data line, model path, scorer answer)."""
@@ -21,6 +27,15 @@ def require(condition: bool, field: str, message: str) -> None:
     """Validate a config field early, naming it in the error."""
     if not condition:
         raise ConfigError(f"{field}: {message}")
+
+
+def require_finite(config: Any, section: str) -> None:
+    """Every float field of a config dataclass finite: YAML's `.inf` passes `sigma > 0` and trained on noise of
+    infinite size, `.nan` fails every comparison silently where a check reads `not (x < 0)`."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{section}.{field.name}: must be a finite number, got {value}")
 
 
 class ScorerError(EsrlError, RuntimeError):

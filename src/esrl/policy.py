@@ -15,6 +15,7 @@ import lightning as L
 import torch
 
 from esrl.errors import require
+from esrl.final import write_final
 from esrl.models.loading import DTYPES, load_causal_lm, load_tokenizer, resolve_model_path
 from esrl.models.lora import save_final
 from esrl.rollout import AdapterSpec, RolloutConfig, build_engine
@@ -230,6 +231,7 @@ class PolicyModule(L.LightningModule):
         self._lagrangian_state = checkpoint.get("esrl_lagrangian")
 
     def on_train_start(self) -> None:
+        self.update_in_flight = False  # an update applied but not yet counted (GRPO's optimizer_step): no checkpoint
         if self._lagrangian_state is not None and self.constraint is not None:
             self.constraint.lagrangian.load_state_dict(self._lagrangian_state)
 
@@ -245,7 +247,7 @@ class PolicyModule(L.LightningModule):
         """The trained model in HF format under <log dir>/final/, loadable by from_pretrained (a LoRA policy: the
         merged model there, its adapter in PEFT format under final/adapter/)."""
         if self.trainer.is_global_zero:
-            save_final(self.policy, self.tokenizer, self.run_dir() / "final")
+            write_final(lambda out: save_final(self.policy, self.tokenizer, out), self.run_dir() / "final")
         self.trainer.strategy.barrier("final")
 
     def save_configs(self, **configs: Any) -> None:

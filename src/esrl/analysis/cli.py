@@ -146,6 +146,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     sigmas = _floats(args.sigmas, "--sigmas")
     alphas = _floats(args.alphas, "--alphas")
     options = task_options(args)
+    for name in names:  # each selected analysis's inputs before any model loads: `all` ran robustness in full, then
+        if name == "robustness":  # stopped at connectivity's --alphas or similarity's missing --base
+            robustness.check(sigmas, args.seeds)
+        elif name == "connectivity":
+            connectivity.check(alphas, base, models)
+        elif name == "similarity":
+            similarity.check(base, models)
+        else:
+            coverage.check(args.coverage_k, args.coverage_sigma, args.temperature)
     check_root_dir(args.out, "--out")
 
     from esrl.models.loading import DTYPES, load_tokenizer, resolve_model_path

@@ -184,16 +184,14 @@ class RewardEvaluator:
     @torch.no_grad()
     def nll(self, model, completions: Sequence[Completion]) -> float:
         """Mean per-token negative log-likelihood of given completions (one per prompt) under `model`."""
-        from esrl.rollout.hf import render_prompts
+        from esrl.rollout.text import encode_prompts
 
-        tok = self.tokenizer
-        texts = render_prompts(tok, self.prompts)
         total, count = 0.0, 0
         device = next(model.parameters()).device
-        for text, c in zip(texts, completions):
+        for row, c in zip(encode_prompts(self.tokenizer, self.prompts), completions):
             if not c.token_ids:
                 continue
-            prompt_ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+            prompt_ids = torch.tensor(row, dtype=torch.long)
             ids = torch.cat([prompt_ids, torch.tensor(c.token_ids, dtype=torch.long)]).unsqueeze(0).to(device)
             logits = model(ids).logits[0, len(prompt_ids) - 1:-1].float()
             logp = torch.log_softmax(logits, dim=-1).gather(1, ids[0, len(prompt_ids):, None]).squeeze(1)
@@ -226,8 +224,11 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
 
 # -- outputs ------------------------------------------------------------------------------------------------
 def write_json(path: Path, data: dict[str, Any]) -> Path:
+    """Whole or not at all (written beside, then renamed): a study reads a summary to decide what is done."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n")
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n")
+    partial.replace(path)
     return path
 
 

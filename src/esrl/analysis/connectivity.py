@@ -35,20 +35,26 @@ def barrier(alphas: Sequence[float], values: Sequence[float], higher_is_better: 
     return max(gaps)
 
 
-def paths(ctx: Context) -> list[tuple[ModelRef, ModelRef]]:
-    out = [(ctx.base, m) for m in ctx.models] if ctx.base is not None else []
-    out += list(itertools.combinations(ctx.models, 2))
+def paths(base: ModelRef | None, models: Sequence[ModelRef]) -> list[tuple[ModelRef, ModelRef]]:
+    out = [(base, m) for m in models] if base is not None else []
+    out += list(itertools.combinations(models, 2))
     return out
+
+
+def check(alphas: Sequence[float], base: ModelRef | None, models: Sequence[ModelRef]) -> None:
+    """The inputs, before any model loads (esrl.analysis.cli checks every selected analysis first)."""
+    alphas = sorted(set(float(a) for a in alphas))
+    if len(alphas) < 2 or alphas[0] != 0.0 or alphas[-1] != 1.0:
+        raise AnalysisError(f"--alphas must include 0 and 1 (the endpoints), got {alphas}")
+    if not paths(base, models):
+        raise AnalysisError("connectivity needs --base and one run, or two runs (--models)")
 
 
 @torch.no_grad()
 def run(ctx: Context, alphas: Sequence[float]) -> dict[str, Any]:
+    check(alphas, ctx.base, ctx.models)
     alphas = sorted(set(float(a) for a in alphas))
-    if len(alphas) < 2 or alphas[0] != 0.0 or alphas[-1] != 1.0:
-        raise AnalysisError(f"--alphas must include 0 and 1 (the endpoints), got {alphas}")
-    pairs = paths(ctx)
-    if not pairs:
-        raise AnalysisError("connectivity needs --base and one run, or two runs (--models)")
+    pairs = paths(ctx.base, ctx.models)
     work = None
     results = []
     with ctx.task("connectivity", len(pairs) * (len(alphas) + 2)) as advance:

@@ -38,11 +38,17 @@ def _curves(rewards: list[list[float]], correct: list[list[bool]], n: int) -> li
     return out
 
 
-def run(ctx: Context, n: int, sigma: float, temperature: float) -> dict[str, Any]:
+def check(n: int, sigma: float, temperature: float) -> None:
+    """The inputs, before any model loads (esrl.analysis.cli checks every selected analysis first)."""
     if n < 1:
         raise AnalysisError(f"--coverage-k must be >= 1, got {n}")
-    if sigma <= 0 or temperature <= 0:
-        raise AnalysisError(f"--coverage-sigma and --temperature must be > 0, got {sigma} and {temperature}")
+    if not (sigma > 0 and temperature > 0 and math.isfinite(sigma) and math.isfinite(temperature)):
+        raise AnalysisError(f"--coverage-sigma and --temperature must be finite and > 0, got {sigma} and "
+                            f"{temperature}")
+
+
+def run(ctx: Context, n: int, sigma: float, temperature: float) -> dict[str, Any]:
+    check(n, sigma, temperature)
     targets = ctx.models or [ctx.base]
     ev = ctx.evaluator
     results = {}

@@ -11,6 +11,7 @@ A flat curve means a wide basin: the reward survives noise of that size.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -33,11 +34,16 @@ def perturbed_sets(model) -> tuple[dict[str, set[str] | None], bool]:
     return sets, tied
 
 
-def run(ctx: Context, sigmas: Sequence[float], seeds: int) -> dict[str, Any]:
-    if not sigmas or any(s < 0 for s in sigmas):
-        raise AnalysisError(f"--sigmas must be non-negative numbers, got {list(sigmas)}")
+def check(sigmas: Sequence[float], seeds: int) -> None:
+    """The inputs, before any model loads (esrl.analysis.cli checks every selected analysis first)."""
+    if not sigmas or not all(0 <= s < math.inf for s in sigmas):
+        raise AnalysisError(f"--sigmas must be finite non-negative numbers, got {list(sigmas)}")
     if seeds < 1:
         raise AnalysisError(f"--seeds must be >= 1, got {seeds}")
+
+
+def run(ctx: Context, sigmas: Sequence[float], seeds: int) -> dict[str, Any]:
+    check(sigmas, seeds)
     sigmas = sorted(set(float(s) for s in sigmas))
     targets = ctx.models or [ctx.base]
     results: dict[str, Any] = {}

@@ -24,10 +24,15 @@ from esrl.analysis.common import (AnalysisError, Context, check_same_architectur
 NAME = "similarity"
 
 
+def check(base, models) -> None:
+    """The inputs, before any model loads (esrl.analysis.cli checks every selected analysis first)."""
+    if base is None or not models:
+        raise AnalysisError("similarity needs --base and at least one run (--models)")
+
+
 @torch.no_grad()
 def run(ctx: Context) -> dict[str, Any]:
-    if ctx.base is None or not ctx.models:
-        raise AnalysisError("similarity needs --base and at least one run (--models)")
+    check(ctx.base, ctx.models)
     base = ctx.model(ctx.base)
     groups = group_names(base)
     tied = tied_embeddings(base)

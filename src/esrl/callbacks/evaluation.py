@@ -170,14 +170,14 @@ class Evaluation(L.Callback):
     @torch.no_grad()
     def _kl(self, module, rows, samples) -> float:
         from esrl.models import load_causal_lm
-        from esrl.rollout import render_prompts
+        from esrl.rollout.text import encode_prompts
 
         base = module.frozen_base()  # GRPO's reference: no second copy of the model on the device
         if base is None:
             if self._base is None:
                 self._base = load_causal_lm(module.model_path, module.policy_config.dtype).to(module.device)
             base = self._base
-        prompts = render_prompts(module.tokenizer, module.task.prompts(rows))
+        prompts = encode_prompts(module.tokenizer, module.task.prompts(rows))
         training = module.policy.training  # GRPO trains in train mode: dropout off for the estimate, as the base's
         module.policy.eval()
         try:
@@ -188,13 +188,14 @@ class Evaluation(L.Callback):
 
     def _k3_sums(self, module, base, prompts, samples) -> tuple[float, int]:
         """The k3 terms summed over the samples' completion tokens, and how many tokens."""
-        from esrl.models.logps import per_token_logps
+        from esrl.models.logps import packed, per_token_logps
 
         tok = module.tokenizer
         total, tokens = 0.0, 0
         for start in range(0, len(prompts), 16):
             chunk = slice(start, start + 16)
-            ids, mask, width = _pack(tok, prompts[chunk], [c.token_ids for c in samples[chunk]], module.device)
+            ids, mask, present = packed(tok, prompts[chunk], [c.token_ids for c in samples[chunk]])
+            ids, mask, width = ids.to(module.device), mask.to(module.device), present.shape[1]
             lp = per_token_logps(module.policy, ids, mask, width, self.temperature)
             lr = per_token_logps(base, ids, mask, width, self.temperature)
             m = mask[:, -width:]
@@ -263,15 +264,3 @@ def _trim_table(path, step: int) -> None:
         writer.writerows(rows)
 
 
-def _pack(tokenizer, prompts: list[str], completions: list[list[int]], device):
-    """Left-padded prompts followed by right-padded completions, as the logps helper expects."""
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    width = max(1, max(len(c) for c in completions))
-    comp = torch.full((len(completions), width), tokenizer.pad_token_id, dtype=torch.long)
-    cmask = torch.zeros((len(completions), width), dtype=torch.long)
-    for i, c in enumerate(completions):
-        comp[i, :len(c)] = torch.tensor(c, dtype=torch.long)
-        cmask[i, :len(c)] = 1
-    ids = torch.cat([enc["input_ids"], comp], dim=1).to(device)
-    mask = torch.cat([enc["attention_mask"], cmask], dim=1).to(device)
-    return ids, mask, width

@@ -21,6 +21,7 @@ from typing import Any
 from esrl.checkpoints import check_root_dir
 from esrl.elo.judge import TEMPLATES, ChatJudge, api_key_from_env
 from esrl.errors import ConfigError
+from esrl.scoring.token import header_token
 
 
 def parser() -> argparse.ArgumentParser:
@@ -62,6 +63,10 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError(f"--criteria {' '.join(args.criteria)}: a criterion given twice")
     if not args.judge_url.startswith(("http://", "https://")):
         raise ConfigError(f"--judge-url {args.judge_url!r}: expected an http(s):// URL")
+    if args.api_key:
+        header_token(args.api_key, "--api-key")
+    else:
+        api_key_from_env()  # the environment's key, checked as --api-key
     check_root_dir(args.out, "--out")  # before any judge call
 
 

@@ -15,6 +15,7 @@ import time
 
 from esrl.errors import EsrlError
 from esrl.scoring.http_errors import RETRY_STATUS, exception_line, response_detail
+from esrl.scoring.token import header_token
 
 SYSTEM_PROMPT = ("You are an impartial judge comparing two responses of an AI assistant to the same user prompt. "
                  "Do not let the order, the length or the style of the responses sway you.")
@@ -76,7 +77,10 @@ def judgment_key(judge_model: str, criterion: str, prompt: str, response_a: str,
 
 
 def api_key_from_env() -> str | None:
-    return os.environ.get("ESRL_JUDGE_API_KEY") or os.environ.get("OPENAI_API_KEY") or None
+    for name in ("ESRL_JUDGE_API_KEY", "OPENAI_API_KEY"):
+        if os.environ.get(name):
+            return header_token(os.environ[name], name)
+    return None
 
 
 class ChatJudge:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from esrl.errors import require
+from esrl.errors import require, require_finite
 from esrl.es.modes import MODES, get_mode
 from esrl.es.params import check_filter
 
@@ -72,6 +72,7 @@ class ESConfig:
 
     def validate(self) -> None:
         """Called when the module is built, so a bad value is one line naming its field."""
+        require_finite(self, "model.es")
         require(self.population_size >= 2, "model.es.population_size", f"must be >= 2, got {self.population_size}")
         require(self.sigma > 0, "model.es.sigma", f"must be > 0, got {self.sigma}")
         require(self.alpha > 0, "model.es.alpha", f"must be > 0, got {self.alpha}")

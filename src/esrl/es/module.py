@@ -21,6 +21,7 @@ from esrl.es.seed_log import append_record, make_header, make_record, write_seed
 from esrl.es.setup import build_optimizer, build_policy, build_selection
 from esrl.es.shaping import shape_fitness
 from esrl.es.update import es_step, weights_checksum
+from esrl.final import write_final
 from esrl.policy import PolicyConfig, PolicyModule, precision_dtype, world_info
 from esrl.rollout import AdapterSpec, Completion, RolloutConfig, engine_capabilities
 from esrl.tasks.reward_values import check_bad_rewards, reward_name
@@ -237,7 +238,7 @@ class ESModule(PolicyModule):
         """The trained model under final/, as the mode saves it (lora: the adapter in PEFT format under
         final/adapter/ and the merged model in final/)."""
         if self.trainer.is_global_zero:
-            self.mode.save_final(self.policy, self.tokenizer, self.run_dir() / "final")
+            write_final(lambda out: self.mode.save_final(self.policy, self.tokenizer, out), self.run_dir() / "final")
         self.trainer.strategy.barrier("final")
 
     def noise_device(self) -> str:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from esrl.errors import DataError, EsrlError, read_text
+from esrl.models.loading import DTYPES
 
 
 def encode_fitness(shaped: torch.Tensor) -> str:
@@ -114,6 +115,9 @@ def read_seed_log(path: str | Path, steps: int | None = None) -> tuple[dict[str,
     return header, records
 
 
+NOISE_DEVICES = ("cpu", "cuda")  # the generators whose draws a seed log names (export replays on the same)
+
+
 def _check_header(header: dict[str, Any], path: Path) -> int:
     """The population size of a header whose fields rebuild the run (its ES config, its policy and noise seed), or a
     DataError naming the field: an edited header failed deep in the replay (KeyError, an unknown mode)."""
@@ -123,6 +127,11 @@ def _check_header(header: dict[str, Any], path: Path) -> int:
     policy = header.get("policy")
     if not isinstance(policy, dict) or not {"name_or_path", "dtype"} <= policy.keys():
         raise DataError(f"{path}:1: the header's 'policy' lacks name_or_path or dtype")
+    if policy["dtype"] not in DTYPES:
+        raise DataError(f"{path}:1: the header's 'policy.dtype' {policy['dtype']!r} is not one of {', '.join(DTYPES)}")
+    if header.get("device", "cpu") not in NOISE_DEVICES:
+        raise DataError(f"{path}:1: the header's 'device' {header['device']!r} is not one esrl draws noise on "
+                        f"({', '.join(NOISE_DEVICES)})")
     if isinstance(header.get("noise_seed"), bool) or not isinstance(header.get("noise_seed"), int):
         raise DataError(f"{path}:1: the header's 'noise_seed' is not an integer")
     try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from esrl.errors import require
+from esrl.errors import require, require_finite
 from esrl.models.lora import GRPO_FIELDS, LoraOptions, validate_options
 from esrl.grpo.importance import IMPORTANCE_SAMPLING_MODES
 from esrl.grpo.objectives import IMPORTANCE_SAMPLING_LEVELS
@@ -132,6 +132,7 @@ class GRPOConfig:
 
     def validate(self) -> None:
         """Called when the module is built, so a bad value is one line naming its field."""
+        require_finite(self, "model.grpo")
         require(self.num_generations >= 2, "model.grpo.num_generations",
                 f"must be >= 2 (advantages compare completions of one prompt), got {self.num_generations}")
         require(self.beta >= 0, "model.grpo.beta", f"must be >= 0, got {self.beta}")

@@ -46,7 +46,7 @@ from esrl.models.loading import load_causal_lm
 from esrl.models.logps import per_token_logps
 from esrl.models.lora import GRPO_FIELDS, is_peft, policy_adapter, wrap_lora
 from esrl.policy import PolicyConfig, PolicyModule, world_info
-from esrl.rollout import AdapterSpec, Completion, RolloutConfig, engine_capabilities, render_prompts
+from esrl.rollout import AdapterSpec, Completion, RolloutConfig, encode_prompts, engine_capabilities
 from esrl.seeding import derive_seed
 from esrl.tasks.reward_values import check_bad_rewards
 
@@ -260,7 +260,7 @@ class GRPOModule(PolicyModule):
         prompts = self.task.prompts(rows)
         advantages = group_advantages(rewards, G, self.grpo.scale_rewards, batch_std=batch_std)
 
-        rollout = rollout_tensors(self.tokenizer, render_prompts(self.tokenizer, prompts), completions, rewards,
+        rollout = rollout_tensors(self.tokenizer, encode_prompts(self.tokenizer, prompts), completions, rewards,
                                   advantages, self.grpo.mask_truncated_completions, self.device)
         rollout.unscorable, rollout.rewards_per_function = scores.unscorable, scores.per_function
         if self.grpo.loss_type in GLOBAL_TOKEN_LOSSES:  # TRL's num_items_in_batch: loss tokens over all ranks
@@ -344,19 +344,19 @@ class GRPOModule(PolicyModule):
 
     # -- vLLM rollouts (rollout.engine: vllm): the engine keeps its own copy of the weights ---------------------
     def optimizer_step(self, *args, **kwargs) -> None:
-        """Lightning's optimizer step, then the policy's new weights pushed into a vLLM engine (HF names; with
-        model.grpo.lora its adapter only) for the next rollout; the HF engine generates with the policy itself.
-        With rollout.vllm_sleep the push wakes the engine. Not with DeepSpeed ZeRO-3 (partitioned parameters would
-        need gathering). Non-finite weights stop the run (esrl.finite)."""
+        """Lightning's optimizer step, then the new weights pushed into a vLLM engine (HF names; model.grpo.lora: its
+        adapter only; vllm_sleep: the push wakes it; not with ZeRO-3's partitioned parameters; the HF engine uses the
+        policy itself); non-finite weights stop the run (esrl.finite)."""
         step = self.global_step
         super().optimizer_step(*args, **kwargs)
-        if not self._closes_window:  # DeepSpeed, mid-window: its engine took no step (see training_step)
-            return
-        check_weights((p for p in self.policy.parameters() if p.requires_grad), algo="GRPO", step=step)
-        self.sync_engine()
-        if self.constraint is not None:
-            self._adapt_lambda(step)
-        self._log_times()
+        self.update_in_flight = True  # esrl.callbacks.interruption: a checkpoint now would hold an uncounted update
+        if self._closes_window:  # else DeepSpeed, mid-window: its engine took no step (see training_step)
+            check_weights((p for p in self.policy.parameters() if p.requires_grad), algo="GRPO", step=step)
+            self.sync_engine()
+            if self.constraint is not None:
+                self._adapt_lambda(step)
+            self._log_times()
+        self.update_in_flight = False
 
     def sync_engine(self) -> None:
         """An engine with its own weights (vLLM) gets the policy's: with model.grpo.lora the adapter (an adapter

@@ -1,4 +1,4 @@
-"""A GRPO micro-batch as the tensors its loss needs: prompt ids as the engine rendered them, completion ids, masks.
+"""A GRPO micro-batch as the tensors its loss needs: prompt ids as the engine tokenized them, completion ids, masks.
 
 Plain torch: built from the engine's completions and the group advantages; the module adds the reference and old
 log-probs and (dapo, cispo, vespo) the loss tokens counted over every process.
@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from esrl.errors import ConfigError
+from esrl.models.logps import packed
 from esrl.rollout import Completion
 
 
@@ -105,23 +106,16 @@ class Scores:
                 for rewards, unscored, *per_function in parts]
 
 
-def rollout_tensors(tokenizer, rendered_prompts: list[str], completions: list[Completion], rewards: torch.Tensor,
+def rollout_tensors(tokenizer, prompt_ids: list[list[int]], completions: list[Completion], rewards: torch.Tensor,
                     advantages: torch.Tensor, mask_truncated: bool, device: torch.device) -> RolloutBatch:
-    """Left-padded prompt ids (the rendered prompts, tokenized as the engine did) + right-padded completion ids, each
-    prompt's G = len(completions) / len(prompts) completions in a row. `mask_truncated`: a completion that hit
-    max_new_tokens counts no loss tokens (TRL's mask_truncated_completions)."""
-    generations = len(completions) // len(rendered_prompts)
-    enc = tokenizer(rendered_prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    lengths = torch.tensor([len(c.token_ids) for c in completions])
-    width = max(1, int(lengths.max()))
-    completion_ids = torch.full((len(completions), width), tokenizer.pad_token_id, dtype=torch.long)
-    for i, c in enumerate(completions):
-        completion_ids[i, :len(c.token_ids)] = torch.tensor(c.token_ids, dtype=torch.long)
-    present = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    """Left-padded prompt ids (as the engine tokenized them, esrl.rollout.text.encode_prompts) + right-padded
+    completion ids, each prompt's G = len(completions) / len(prompts) completions in a row. `mask_truncated`: a
+    completion that hit max_new_tokens counts no loss tokens (TRL's mask_truncated_completions)."""
+    generations = len(completions) // len(prompt_ids)
+    input_ids, attention_mask, present = packed(tokenizer, [row for row in prompt_ids for _ in range(generations)],
+                                                [c.token_ids for c in completions])
     truncated = torch.tensor([c.truncated for c in completions])
     loss_mask = present * (~truncated).long().unsqueeze(1) if mask_truncated else present
-    return RolloutBatch(
-        input_ids=torch.cat([enc["input_ids"].repeat_interleave(generations, 0), completion_ids], 1).to(device),
-        attention_mask=torch.cat([enc["attention_mask"].repeat_interleave(generations, 0), present], 1).to(device),
-        completion_mask=loss_mask.to(device), rewards=rewards, advantages=advantages.to(device),
-        lengths=lengths, truncated=truncated)
+    return RolloutBatch(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                        completion_mask=loss_mask.to(device), rewards=rewards, advantages=advantages.to(device),
+                        lengths=torch.tensor([len(c.token_ids) for c in completions]), truncated=truncated)

@@ -60,3 +60,20 @@ def per_token_logps(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     if with_entropies:
         return logps.masked_fill(padded, 0.0), token_entropies(out.logits[:, :-1], temperature).masked_fill(padded, 0.0)
     return logps.masked_fill(padded, 0.0)
+
+
+def packed(tokenizer, prompt_ids: list[list[int]], completion_ids: list[list[int]]):
+    """Left-padded prompts followed by right-padded completions, row by row, the layout per_token_logps reads:
+    input_ids, attention_mask, and the completions' own mask [B, width] (width at least 1)."""
+    from esrl.rollout.text import left_padded
+
+    prompts = left_padded(tokenizer, prompt_ids)
+    lengths = torch.tensor([len(c) for c in completion_ids])
+    width = max(1, int(lengths.max()))
+    completions = torch.full((len(completion_ids), width), tokenizer.pad_token_id, dtype=torch.long)
+    for i, c in enumerate(completion_ids):
+        completions[i, :len(c)] = torch.tensor(c, dtype=torch.long)
+    present = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    return (torch.cat([prompts["input_ids"], completions], 1), torch.cat([prompts["attention_mask"], present], 1),
+            present)
+

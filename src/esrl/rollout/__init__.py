@@ -5,7 +5,7 @@ import torch
 from esrl.rollout.base import (AdapterSpec, Completion, EngineCapabilities, RolloutConfig, RolloutEngine,
                                RowWeights)
 from esrl.rollout.hf import HFEngine
-from esrl.rollout.text import cut_at_stop, render_prompts
+from esrl.rollout.text import cut_at_stop, encode_prompts, render_prompts
 
 
 def engine_capabilities(config: RolloutConfig, adapters: AdapterSpec | None = None) -> EngineCapabilities:
@@ -38,4 +38,4 @@ def build_engine(config: RolloutConfig, model, tokenizer, adapters: AdapterSpec 
 
 
 __all__ = ["AdapterSpec", "Completion", "EngineCapabilities", "HFEngine", "RolloutConfig", "RolloutEngine",
-           "RowWeights", "build_engine", "cut_at_stop", "engine_capabilities", "render_prompts"]
+           "RowWeights", "build_engine", "cut_at_stop", "encode_prompts", "engine_capabilities", "render_prompts"]

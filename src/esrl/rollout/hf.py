@@ -14,7 +14,7 @@ from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaLis
 
 from esrl.rollout.base import Completion, EngineCapabilities, RolloutEngine, RowWeights
 from esrl.rollout.static_decode import DecodeKey, StaticDecoder, module_context, supports_static_decode
-from esrl.rollout.text import check_context, cut_at_stop, render_prompts
+from esrl.rollout.text import check_context, cut_at_stop, encode_prompts, left_padded
 from esrl.tasks.base import Prompt
 
 
@@ -100,13 +100,13 @@ class HFEngine(RolloutEngine):
                  temperature: float = 1.0, top_p: float = 1.0, stop: Sequence[str] = (),
                  num_return_sequences: int = 1, seed: int | None = None,
                  min_new_tokens: int | None = None) -> list[Completion]:
-        texts = self._rendered(prompts, max_new_tokens)
+        ids = self._encoded(prompts, max_new_tokens)
         per_chunk = max(1, self.max_batch_size // num_return_sequences)
         out: list[Completion] = []
         if seed is not None:
             torch.manual_seed(seed)
-        for start in range(0, len(texts), per_chunk):
-            out.extend(self._generate_chunk(texts[start:start + per_chunk], max_new_tokens, greedy, temperature,
+        for start in range(0, len(ids), per_chunk):
+            out.extend(self._generate_chunk(ids[start:start + per_chunk], max_new_tokens, greedy, temperature,
                                             top_p, list(stop), num_return_sequences, min_new_tokens))
         return out
 
@@ -116,20 +116,20 @@ class HFEngine(RolloutEngine):
                             min_new_tokens: int | None = None) -> list[list[Completion]]:
         """RolloutEngine.generate_population: `row_weights` installs per-row forward hooks on the policy
         (e.g. esrl.es.modes.lowrank.PopulationPerturbation) while the one generate runs."""
-        texts = self._rendered(prompts, max_new_tokens)
-        n_prompts = len(texts)
+        ids = self._encoded(prompts, max_new_tokens)
+        n_prompts = len(ids)
         row_member = torch.arange(num_members).repeat_interleave(n_prompts)
         with row_weights(row_member):
-            flat = self._generate_chunk(texts * num_members, max_new_tokens, True, 1.0, 1.0, list(stop), 1,
+            flat = self._generate_chunk(ids * num_members, max_new_tokens, True, 1.0, 1.0, list(stop), 1,
                                         min_new_tokens, members=num_members)
         return [flat[i * n_prompts:(i + 1) * n_prompts] for i in range(num_members)]
 
-    def _rendered(self, prompts: Sequence[Prompt], max_new_tokens: int) -> list[str]:
-        """The prompts as text, each checked to leave room for max_new_tokens in the model's context."""
-        texts = render_prompts(self.tokenizer, prompts)
-        lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
-        check_context(lengths, max_new_tokens, getattr(self.model.config, "max_position_embeddings", None), prompts)
-        return texts
+    def _encoded(self, prompts: Sequence[Prompt], max_new_tokens: int) -> list[list[int]]:
+        """The prompts' token ids, each checked to leave room for max_new_tokens in the model's context."""
+        ids = encode_prompts(self.tokenizer, prompts)
+        check_context([len(row) for row in ids], max_new_tokens,
+                      getattr(self.model.config, "max_position_embeddings", None), prompts)
+        return ids
 
     def _decoder(self, rows: int, prompt_len: int, new_tokens: int, greedy: bool, top_p: float,
                  members: int) -> StaticDecoder:
@@ -152,7 +152,7 @@ class HFEngine(RolloutEngine):
         self._decoders[key] = decoder
         return decoder
 
-    def _generate_chunk(self, texts, max_new_tokens, greedy, temperature, top_p, stop, n,
+    def _generate_chunk(self, prompt_ids, max_new_tokens, greedy, temperature, top_p, stop, n,
                         min_new_tokens=None, members=0) -> list[Completion]:
         tok = self.tokenizer
         supported = supports_static_decode(self.model)
@@ -162,8 +162,7 @@ class HFEngine(RolloutEngine):
         # DynamicCache concatenation, no repeat_kv copies, no logits processors; RESULTS.md session 7), the same
         # tokens. Sampled rows keep generate and its random stream; stop strings keep its early end.
         static = compiled or (supported and self.compile == "auto" and greedy and not stop)
-        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False,
-                  pad_to_multiple_of=self.prompt_bucket if compiled else None).to(self.model.device)
+        enc = left_padded(tok, prompt_ids, self.prompt_bucket if compiled else None).to(self.model.device)
         was_training = self.model.training
         self.model.eval()
         start = time.perf_counter()

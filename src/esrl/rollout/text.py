@@ -19,6 +19,22 @@ def render_prompts(tokenizer, prompts: Sequence[Prompt]) -> list[str]:
             else p for p in prompts]
 
 
+def encode_prompts(tokenizer, prompts: Sequence[Prompt]) -> list[list[int]]:
+    """Each prompt's token ids as TRL's GRPOTrainer tokenizes them: chat messages through the chat template, which
+    writes its own special tokens; raw text with the tokenizer's own (Llama's, Gemma's and Mistral's put a BOS
+    first; Qwen's and SmolLM2's add none). Every engine, the GRPO loss and the evaluation's KL use these ids: a raw
+    prompt once lost its BOS, which a base model was trained to see."""
+    texts = render_prompts(tokenizer, prompts)
+    return [tokenizer(text, add_special_tokens=not isinstance(prompt, list))["input_ids"]
+            for prompt, text in zip(prompts, texts)]
+
+
+def left_padded(tokenizer, ids: Sequence[Sequence[int]], pad_to_multiple_of: int | None = None) -> dict:
+    """Rows of token ids as left-padded `input_ids` and `attention_mask` tensors (the tokenizer's own pad)."""
+    return tokenizer.pad({"input_ids": [list(row) for row in ids]}, padding=True, return_tensors="pt",
+                         pad_to_multiple_of=pad_to_multiple_of, padding_side="left")
+
+
 def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
     """`text` up to and including the earliest stop string, and whether one was found."""
     cut = min((i + len(s) for s in stop if (i := text.find(s)) >= 0), default=-1)

@@ -37,7 +37,7 @@ import torch
 
 from esrl.errors import ConfigError
 from esrl.rollout.base import AdapterSpec, Completion, EngineCapabilities, RolloutConfig, RolloutEngine, RowWeights
-from esrl.rollout.text import check_context, cut_at_stop, render_prompts
+from esrl.rollout.text import check_context, cut_at_stop, encode_prompts
 from esrl.rollout.vllm_worker import WeightsWorkerExtension
 from esrl.tasks.base import Prompt
 
@@ -291,8 +291,7 @@ class VLLMEngine(RolloutEngine):
                  min_new_tokens: int | None = None) -> list[Completion]:
         from vllm import SamplingParams
 
-        texts = render_prompts(self.tokenizer, prompts)
-        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]  # as the HF engine tokenizes
+        ids = encode_prompts(self.tokenizer, prompts)  # as the HF engine tokenizes
         check_context([len(p) for p in ids], max_new_tokens, self.max_model_len, prompts)
         n = num_return_sequences
         params = []
@@ -323,8 +322,7 @@ class VLLMEngine(RolloutEngine):
         request carries its member's adapter."""
         from vllm import SamplingParams
 
-        texts = render_prompts(self.tokenizer, prompts)
-        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        ids = encode_prompts(self.tokenizer, prompts)
         check_context([len(p) for p in ids], max_new_tokens, self.max_model_len, prompts)
         n_prompts = len(ids)
         with row_weights(torch.arange(num_members).repeat_interleave(n_prompts)) as lora_ids:

@@ -22,6 +22,14 @@ ENV_FILE = "ESRL_SCORER_TOKEN_FILE"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
+def header_token(token: str, source: str) -> str:
+    """A token as an HTTP header carries it: printable ASCII, no spaces. httpx raised UnicodeEncodeError from inside
+    a request (or the server's check) for a token such as 'clé', naming neither the token nor where it came from."""
+    if not (token.isascii() and token.isprintable()) or any(c.isspace() for c in token):
+        raise ConfigError(f"{source}: a token must be printable ASCII without spaces (it is sent in an HTTP header)")
+    return token
+
+
 def read_token_file(path: str | Path) -> str:
     path = Path(path).expanduser()
     try:
@@ -31,16 +39,16 @@ def read_token_file(path: str | Path) -> str:
     if not token or any(c.isspace() for c in token):
         raise ConfigError(f"scorer token file {path}: expected one token (no spaces), got "
                           f"{'nothing' if not token else 'several words'}")
-    return token
+    return header_token(token, f"scorer token file {path}")
 
 
 def client_token(token: str | None = None) -> str | None:
     """The token a client sends: `token`, else ESRL_SCORER_TOKEN_FILE's content, else ESRL_SCORER_TOKEN."""
     if token:
-        return token
+        return header_token(token, "the scorer's token (data.task_args.token)")
     if os.environ.get(ENV_FILE):
         return read_token_file(os.environ[ENV_FILE])
-    return os.environ.get(ENV) or None
+    return header_token(os.environ[ENV], ENV) if os.environ.get(ENV) else None
 
 
 def check_token_options(token: str | None, token_file: str | None, no_token: bool, host: str) -> None:
@@ -53,6 +61,10 @@ def check_token_options(token: str | None, token_file: str | None, no_token: boo
             raise ConfigError(f"--no-token serves anyone who can reach it: allowed on a loopback "
                               f"--host ({', '.join(LOOPBACK)}) only, got {host}")
         return
+    if token:
+        header_token(token, "--token")
+    elif not (token_file or os.environ.get(ENV_FILE)) and os.environ.get(ENV):
+        header_token(os.environ[ENV], ENV)
     file = token_file or os.environ.get(ENV_FILE)
     if not token and file and Path(file).expanduser().exists():
         read_token_file(file)

@@ -60,12 +60,13 @@ def _up_to_date(out: Path, models: list[RunResult], argv: list[str]) -> bool:
     summary = out / "summary.json"
     if not summary.is_file():
         return False
-    done = json.loads(summary.read_text())
-    if [(m.get("label"), m.get("path")) for m in done.get("models", [])] != [(label(r), str(r.final)) for r in models]:
-        return False
-    try:
+    try:  # a malformed record (a summary cut short, edited by hand): analyze again
+        done = json.loads(summary.read_text())
+        if [(m.get("label"), m.get("path")) for m in done.get("models", [])] != [(label(r), str(r.final))
+                                                                                  for r in models]:
+            return False
         return _settings(done.get("settings") or {}) == _settings(vars(parser().parse_args(argv)))
-    except ValueError:  # a malformed record: analyze again
+    except (ValueError, AttributeError, TypeError):
         return False
 
 

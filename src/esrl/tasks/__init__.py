@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import collections.abc
 import difflib
-import importlib
 import inspect
+import types
+import typing
 from typing import Any, Callable
 
 from esrl.errors import ConfigError
 from esrl.tasks.base import Task, completion_text
+from esrl.tasks.jsonl import import_function
 
 _REGISTRY: dict[str, str] = {
     "conciseness": "esrl.tasks.conciseness:build",
@@ -29,13 +32,16 @@ def build_task(name: str, **options: Any) -> Task:
     target = _REGISTRY.get(name, name if ":" in name else None)
     if target is None:
         raise ConfigError(f"data.task: unknown task {name!r}; known tasks: {', '.join(sorted(_REGISTRY))}")
-    module, _, attr = target.partition(":")
-    builder: Callable[..., Task] = getattr(importlib.import_module(module), attr)
+    builder: Callable[..., Task] = import_function(target, "data.task")
     check_options(name, builder, options)
+    check_option_types(builder, options)
     try:
-        return builder(**options)
+        task = builder(**options)
     except TypeError as e:
         raise ConfigError(f"data.task_args: {e}") from None
+    if not isinstance(task, Task):
+        raise ConfigError(f"data.task: {name!r} returned {type(task).__name__}, not an esrl.tasks.Task")
+    return task
 
 
 def check_options(name: str, builder: Callable[..., Task], options: dict[str, Any]) -> None:
@@ -53,6 +59,48 @@ def check_options(name: str, builder: Callable[..., Task], options: dict[str, An
                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     if missing:
         raise ConfigError(f"data.task_args.{missing[0]}: task {name!r} needs it (it takes {takes})")
+
+
+def check_option_types(builder: Callable[..., Task], options: dict[str, Any]) -> None:
+    """data.task_args' values against the builder's scalar annotations (int, float, bool, str, a sequence of them,
+    None where allowed): `num_train: 1.5` named, not a slice's error from inside the task. Other annotations (a
+    Scorer object, a dict) are the builder's to check."""
+    hints = typing.get_type_hints(builder)
+    for key, value in options.items():
+        allowed = [t for t in _union(hints.get(key)) if t is not type(None)]
+        if value is None and type(None) in _union(hints.get(key)) or not allowed:
+            continue
+        if all(t in _SCALARS for t in allowed):
+            ok = any(_is(value, t) for t in allowed)
+        elif len(allowed) == 1 and typing.get_origin(allowed[0]) in _SEQUENCES:
+            (item,) = typing.get_args(allowed[0]) or (object,)
+            if item not in _SCALARS:
+                continue
+            ok = item is str and isinstance(value, str)  # one string stands for a list of it
+            ok = ok or isinstance(value, (list, tuple)) and all(_is(v, item) for v in value)
+            allowed = [f"a list of {item.__name__}"]
+        else:
+            continue
+        if not ok:
+            want = " or ".join(getattr(t, "__name__", str(t)) for t in allowed)
+            raise ConfigError(f"data.task_args.{key}: expected {want}, got {value!r}")
+
+
+_SCALARS = (int, float, bool, str)
+_SEQUENCES = (list, tuple, collections.abc.Sequence)
+
+
+def _union(hint: Any) -> tuple[Any, ...]:
+    return typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+
+
+def _is(value: Any, kind: type) -> bool:
+    """isinstance as a config means it: an int is a float, a bool is neither an int nor a float."""
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
 
 
 __all__ = ["Task", "build_task", "completion_text", "known_task"]
