@@ -31,7 +31,9 @@ class PolicyConfig:
     name_or_path: str = "smollm2-135m-instruct"
     """Hub id, local folder, or `smollm2-135m-instruct` (embedded, no network needed)."""
     dtype: str = "float32"
-    """Weights dtype: float32, bfloat16 or float16 (the paper used bfloat16 on GPUs)."""
+    """Weights dtype: float32, bfloat16 or float16 (the paper used bfloat16 on GPUs). float32 by default because
+    the default machine is a CPU and a Trainer's default precision is 32-true; TRL's GRPOConfig turns bf16 autocast
+    on by default, as `trainer.precision: bf16-mixed` does here (configs/grpo_*.yaml set it)."""
 
 
 class PolicyModule(L.LightningModule):
