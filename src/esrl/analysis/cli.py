@@ -20,6 +20,7 @@ import yaml
 from esrl.analysis import connectivity, coverage, robustness, similarity
 from esrl.analysis.common import AnalysisError, Context, ModelRef, RewardEvaluator, eval_rows, write_json
 from esrl.checkpoints import check_root_dir
+from esrl.errors import ConfigError
 from esrl.needs import checked_device
 
 ANALYSES = {"robustness": robustness, "connectivity": connectivity, "similarity": similarity,
@@ -166,7 +167,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for ref in [base, *models]:
         if ref is not None:
             ref.path = resolve_model_path(ref.path)  # the embedded model: its cached folder
-    task = build_task(args.task, **options)
+    try:
+        task = build_task(args.task, **options)
+    except ConfigError as e:  # named as this command's flags, not a fit config's fields
+        message = str(e).replace("data.task_args.", "--task-arg ", 1).replace("data.task:", "--task:", 1)
+        raise AnalysisError(message) from None
     tokenizer = load_tokenizer((models[0] if models else base).path)
     evaluator = RewardEvaluator(task, tokenizer, eval_rows(task, args.num_prompts), args.max_new_tokens,
                                 args.batch_size, args.correct_metric)
