@@ -78,6 +78,8 @@ def test_an_option_a_task_does_not_take_is_named_with_what_it_takes():
 @pytest.mark.parametrize("task,options,message", [
     ("countdown", {"num_train": 1.5}, "data.task_args.num_train: expected int, got 1.5"),  # was a slice's error
     ("countdown", {"num_train": True}, "data.task_args.num_train: expected int, got True"),
+    ("countdown", {"num_train": 5, "num_eval": 400, "num_numbers": 2, "max_number": 3},  # blamed `generate` before
+     "data.task_args.num_eval: cannot find 400 distinct problems"),
     ("math", {"format_weight": "0.1"}, "data.task_args.format_weight: expected float, got '0.1'"),
     ("jsonl", {"train_path": "x", "reward_funcs": [1]},
      "data.task_args.reward_funcs: expected a list of str, got [1]"),

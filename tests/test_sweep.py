@@ -28,6 +28,14 @@ def test_jobs_below_one_is_refused(config, tmp_path, jobs):
     assert refused(out, tmp_path) == f"esrl sweep: error: --jobs {jobs}: must be >= 1 (the number of runs at once)"
 
 
+def test_a_table_name_with_a_folder_is_refused_before_any_run(config, tmp_path):
+    """`--name sub/x` failed with FileNotFoundError writing the tables, after every run had finished."""
+    out = run_esrl("sweep", "--config", config, "--out", tmp_path / "sweep", "--grid", "model.es.sigma=0.1",
+                   "--name", "sub/x")
+    assert refused(out, tmp_path) == ("esrl sweep: error: --name 'sub/x': a file name without a folder (the tables "
+                                      "are OUT/NAME.csv, .md)")
+
+
 def test_out_that_cannot_be_a_folder_is_refused(config, tmp_path):
     (tmp_path / "notes.txt").write_text("keep me")
     out = run_esrl("sweep", "--config", config, "--out", tmp_path / "notes.txt", "--grid", "model.es.sigma=0.1")

@@ -306,6 +306,8 @@ def _main(argv: list[str] | None, fits: Fits) -> list[dict[str, Any]]:
     args = parser().parse_args(argv)
     if args.jobs < 1:
         raise SweepError(f"--jobs {args.jobs}: must be >= 1 (the number of runs at once)")
+    if not args.name or Path(args.name).name != args.name or args.name in (".", ".."):  # found after every run
+        raise SweepError(f"--name {args.name!r}: a file name without a folder (the tables are OUT/NAME.csv, .md)")
     grid = parse_grid(args.grid)
     combos = combinations(grid)
     if args.count:

@@ -224,11 +224,11 @@ def _random_expression(numbers: list[int], rng: random.Random) -> str:
 
 def generate_problems(n: int, seed: int = 0, num_numbers: int = 3, min_number: int = 1, max_number: int = 99,
                       integer_targets: bool = True, exclude: set[tuple[Any, ...]] | None = None,
-                      start_id: int = 0) -> list[dict[str, Any]]:
+                      start_id: int = 0, field: str = "data.task_args.generate") -> list[dict[str, Any]]:
     """n distinct seeded problems in the data set's format; each target is the value of its stored solution.
 
     `exclude` holds (sorted numbers, target) keys that must not be produced (e.g. the training problems) and
-    is updated with the new ones.
+    is updated with the new ones. `field`: the option that asked for n, named if they cannot be found.
     """
     rng = random.Random(seed)
     seen = exclude if exclude is not None else set()
@@ -237,8 +237,8 @@ def generate_problems(n: int, seed: int = 0, num_numbers: int = 3, min_number: i
     while len(rows) < n:
         attempts += 1
         if attempts > 1000 * n + 10_000:
-            raise ConfigError(f"data.task_args.generate: cannot find {n} distinct problems with these "
-                              "settings")
+            raise ConfigError(f"{field}: cannot find {n} distinct problems with these settings (num_numbers, "
+                              "min_number, max_number, integer_targets)")
         numbers = [rng.randint(min_number, max_number) for _ in range(num_numbers)]
         solution = _random_expression(numbers, rng)
         value = safe_eval(solution)
@@ -335,9 +335,10 @@ def build(path: str | None = None, num_train: int = 200, num_eval: int | None = 
             train_rows = generate_problems(generate, seed, exclude=seen, **gen)
     else:
         # Evaluation problems come from a second seeded stream and never repeat a training problem.
-        train_rows = generate_problems(generate or num_train, seed, exclude=seen, **gen)
+        train_rows = generate_problems(generate or num_train, seed, exclude=seen, **gen,
+                                       field="data.task_args." + ("generate" if generate else "num_train"))
         eval_rows = generate_problems(200 if num_eval is None else num_eval, seed + 1_000_003, exclude=seen,
-                                      start_id=len(train_rows), **gen)
+                                      start_id=len(train_rows), **gen, field="data.task_args.num_eval")
     return Task(
         name="countdown",
         train_rows=train_rows,
