@@ -155,6 +155,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
     (["--task-args", "{bad"], r"^--task-args: not valid JSON/YAML"),
     (["--task-arg", "limit=[1"], r"^--task-arg limit: not valid JSON/YAML"),
     (["--task-arg", "num_train=1.5"], r"^--task-arg num_train: expected int, got 1.5"),  # was data.task_args.
+    (["--task-arg", "num_train=1e-4"], r"^--task-arg num_train: expected int, got 0.0001"),  # 1e-4 a number, as fit's
     (["--batch-size", "0"], r"^--batch-size must be >= 1, got 0"),  # ran as 1
     (["--models", "run={model}"], r"^model labels must differ, got \['run', 'run', "),  # the first dropped
 ])

@@ -5,10 +5,16 @@ never failed."""
 
 from __future__ import annotations
 
-import lightning as L
-import torch
+import csv
+import json
 
-from conftest import FailAt, conciseness_data
+import lightning as L
+import pytest
+import torch
+import yaml
+
+from conftest import (FIXTURES, FailAt, assert_same_tensors, conciseness_data, load_safetensors, run_esrl,
+                      write_tiny_config)
 from esrl.errors import NonFiniteUpdateError
 
 
@@ -75,3 +81,52 @@ def test_no_checkpoint_of_a_state_that_could_not_resume(tiny_model, tmp_path):
         assert "failed (injected)" in str(module.error), name
         ckpt = _saved(tmp_path / name)
         assert (ckpt and ckpt["global_step"]) == saved_at, name
+
+
+def _files(root) -> tuple[dict, list[dict]]:
+    """metrics.csv as {step: {name: value}} without the timings, and eval.jsonl without its seconds."""
+    (version,) = (root / "lightning_logs").iterdir()
+    rows: dict = {}
+    with open(version / "metrics.csv") as f:
+        for row in csv.DictReader(f):
+            values = {k: v for k, v in row.items() if v and k != "step" and not k.startswith("time/")}
+            rows.setdefault(int(row["step"]), {}).update(values)
+    evals = [{k: v for k, v in json.loads(line).items() if "seconds" not in k}
+             for line in (version / "eval.jsonl").read_text().splitlines()]
+    return rows, evals
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo, every", [("es", 0), ("grpo", 1)], ids=["es-in_training", "grpo-in_evaluation"])
+def test_a_fit_that_failed_resumes_into_the_files_and_weights_of_a_fit_never_stopped(tiny_model, tmp_path,
+                                                                                     monkeypatch, algo, every):
+    """`esrl fit` whose scorer goes down at step 2 (in a training step; in the evaluation after step 2): exit 2 with
+    the error's one line and interrupted.ckpt; `--ckpt_path last` then ends in the weights, metrics.csv rows (each
+    value at its step) and eval.jsonl of a fit never stopped. Lightning's own save_on_exception checkpoint resumed
+    with every later metrics.csv row one step late, and without the evaluation that failed."""
+    monkeypatch.setenv("PYTHONPATH", str(FIXTURES))
+    config = write_tiny_config(tmp_path / "c.yaml", tiny_model, max_steps=4, es={"population_size": 4},
+                               rollout={"temperature": 1.0}, grpo={"num_generations": 2, "learning_rate": 1e-3},
+                               trainer={"callbacks": [{"class_path": "esrl.callbacks.Evaluation",
+                                                       "init_args": {"every_n_steps": every}}]})
+    data = yaml.safe_load(config.read_text())
+    data["data"]["task"] = "jsonl"
+    data["data"]["task_args"] = {"train_path": str(FIXTURES / "conciseness_train3.jsonl"), "prompt_field": "question",
+                                 "eval_path": str(FIXTURES / "conciseness_eval2.jsonl"),
+                                 "reward_funcs": ["outage:length"]}
+    config.write_text(yaml.safe_dump(data))
+    fit = ("fit", "--config", config, "--algo", algo)
+    assert run_esrl(*fit, "--trainer.default_root_dir", tmp_path / "whole").returncode == 0
+    monkeypatch.setenv("ESRL_TEST_OUTAGE_STEP", "2")
+    failed = run_esrl(*fit, "--trainer.default_root_dir", tmp_path / "failed")
+    assert failed.returncode == 2 and "Traceback" not in failed.stderr, failed.stderr[-3000:]
+    assert [line for line in failed.stderr.splitlines() if line.startswith("esrl: error:")] == [
+        "esrl: error: reward function length raised ConnectionError: scorer down at step 2 (injected)"]
+    (saved,) = (tmp_path / "failed").rglob("interrupted.ckpt")
+    assert torch.load(saved, map_location="cpu", weights_only=False)["global_step"] == 2
+    monkeypatch.delenv("ESRL_TEST_OUTAGE_STEP")
+    resumed = run_esrl(*fit, "--trainer.default_root_dir", tmp_path / "failed", "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _files(tmp_path / "failed") == _files(tmp_path / "whole")
+    (whole,), (after,) = (tmp_path / "whole").rglob("final"), (tmp_path / "failed").rglob("final")
+    assert_same_tensors(load_safetensors(after / "model.safetensors"), load_safetensors(whole / "model.safetensors"))

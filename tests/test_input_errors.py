@@ -99,6 +99,25 @@ def test_a_task_option_of_the_wrong_type_or_a_task_path_that_does_not_import_is_
     assert str(err.value).startswith(message)
 
 
+def test_the_option_types_check_takes_paths_and_skips_builders_it_cannot_read():
+    """A Path where a builder takes a str path (from Python code), a functools.partial builder, and annotations
+    naming a type only imported for type checkers: checked where readable, never a traceback of their own."""
+    import functools
+    from pathlib import Path
+
+    from esrl.tasks import check_option_types, conciseness
+
+    check_option_types(conciseness.build, {"path": Path("x.jsonl"), "num_train": 2})
+    check_option_types(functools.partial(conciseness.build, num_eval=1), {"num_train": "2"})
+
+    def unreadable(num_train: "NotImported" = 1):  # noqa: F821
+        pass
+
+    check_option_types(unreadable, {"num_train": "2"})
+    with pytest.raises(ConfigError, match="^data.task_args.num_train: expected int"):
+        check_option_types(conciseness.build, {"num_train": "2"})
+
+
 def test_an_infinite_or_nan_config_number_is_named():
     """`sigma: .inf` passed `sigma > 0` and trained on noise of infinite size (NaN fails comparisons silently)."""
     from esrl.es.config import ESConfig

@@ -149,6 +149,7 @@ def test_killed_service_stops_cleanly_and_resume_loses_nothing(tiny_model, score
     # the failed iteration restored its perturbation before the error left it
     assert json.loads(report.read_text()) == {"exception": "ScorerError", "step": 1, "restored": True}
     killed_dir = next((tmp_path / "killed").rglob("checkpoints")).parent
+    # the failure came where the ModelCheckpoint had saved (step 1's start): no second copy (esrl.callbacks.failure)
     assert sorted(p.name for p in (killed_dir / "checkpoints").iterdir()) == ["step=1.ckpt"]
 
     # the service comes back on the same address; the run resumes from its last checkpoint

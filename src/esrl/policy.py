@@ -15,7 +15,7 @@ import lightning as L
 import torch
 
 from esrl.errors import require
-from esrl.final import write_final
+from esrl.atomic_files import write_final
 from esrl.models.loading import DTYPES, load_causal_lm, load_tokenizer, resolve_model_path
 from esrl.models.lora import save_final
 from esrl.rollout import AdapterSpec, RolloutConfig, build_engine
@@ -194,9 +194,9 @@ class PolicyModule(L.LightningModule):
 
     def configure_callbacks(self):
         """A step progress bar and the shared evaluation, unless the config brings its own."""
-        from esrl.callbacks import Evaluation, Interruption, StepProgressBar
+        from esrl.callbacks import Evaluation, FailureCheckpoint, Interruption, StepProgressBar
 
-        callbacks = [Interruption()]  # SIGTERM / SIGINT: a resumable checkpoint and a non-zero exit
+        callbacks = [Interruption(), FailureCheckpoint()]  # a signal, a failed step: a resumable checkpoint
         if self.trainer.progress_bar_callback is not None:
             callbacks.append(StepProgressBar())
         if not any(isinstance(c, Evaluation) for c in self.trainer.callbacks):

@@ -21,13 +21,13 @@ import io
 import itertools
 import json
 import math
-import os
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from esrl.atomic_files import write_text
 from esrl.callbacks.evaluation import evaluation_records
 from esrl.checkpoints import check_root_dir
 from esrl.errors import EsrlError, read_text
@@ -266,11 +266,7 @@ def write_tables(rows: list[dict[str, Any]], out: Path, name: str) -> tuple[Path
     shown = [k for k in fields if k != "run_dir"]
     lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
     lines += ["| " + " | ".join(str(r.get(k, "")).replace("|", "\\|") for k in shown) + " |" for r in rows]
-    for path, text in ((csv_path, buf.getvalue()), (md_path, "\n".join(lines) + "\n")):
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    return csv_path, md_path
+    return write_text(csv_path, buf.getvalue()), write_text(md_path, "\n".join(lines) + "\n")
 
 
 def parser() -> argparse.ArgumentParser:

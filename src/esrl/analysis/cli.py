@@ -20,6 +20,7 @@ import yaml
 from esrl.analysis import connectivity, coverage, robustness, similarity
 from esrl.analysis.common import AnalysisError, Context, ModelRef, RewardEvaluator, eval_rows, write_json
 from esrl.checkpoints import check_root_dir
+from esrl.config_files import load_yaml
 from esrl.errors import ConfigError
 from esrl.needs import checked_device
 
@@ -95,8 +96,9 @@ def resolve_model(spec: str, index: int) -> ModelRef:
 
 
 def _yaml(text: str, flag: str) -> Any:
+    """A value as `esrl fit` reads the same one in its config (jsonargparse's YAML loader: `1e-4` is a number)."""
     try:
-        return yaml.safe_load(text)
+        return load_yaml(text)
     except yaml.YAMLError as e:
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise AnalysisError(f"{flag}: not valid JSON/YAML ({problem}): {text!r}") from None

@@ -224,12 +224,11 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
 
 # -- outputs ------------------------------------------------------------------------------------------------
 def write_json(path: Path, data: dict[str, Any]) -> Path:
-    """Whole or not at all (written beside, then renamed): a study reads a summary to decide what is done."""
+    """Whole or not at all: a study reads a summary to decide what is done."""
+    from esrl.atomic_files import write_text
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n")
-    partial.replace(path)
-    return path
+    return write_text(path, json.dumps(data, indent=2, allow_nan=False) + "\n")
 
 
 def pyplot():

@@ -90,16 +90,23 @@ class Evaluation(L.Callback):
 
     # -- hooks ---------------------------------------------------------------------------------------
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
-        """The evaluation before training, at the first step's start rather than on_train_start: after every
-        on_train_start (the module's restored state, the Interruption callback's signal handlers), so a signal during
-        it stops the run after step 1 with a checkpoint (tests/test_resume.py -k during_the_evaluation)."""
+        """Evaluations at a step's start, of the weights after the steps before it (the last one's: on_train_end).
+
+        The one before training here rather than on_train_start: after every on_train_start (the module's restored
+        state, the Interruption callback's signal handlers), so a signal during it stops the run after step 1 with a
+        checkpoint (tests/test_resume.py -k during_the_evaluation). The ones every_n_steps here rather than at the
+        step before's end: Lightning logs that step's metrics after on_train_batch_end, so an evaluation failing there
+        (its scorer down) lost them, and a resume skipped it (esrl.callbacks.failure); here a failed or interrupted
+        run that stopped before an evaluation runs it on resume, before the step's rollouts (and once per window:
+        GRPO's micro-batches after the first find it done)."""
         if self.before and trainer.global_step == 0:
             self._run(trainer, module, "before")
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        # global_step 0 (a micro-batch before the first optimizer step ends) is `before`'s, run only if asked
-        if self.every_n_steps and trainer.global_step and trainer.global_step % self.every_n_steps == 0:
+        elif self._due(trainer.global_step):
             self._run(trainer, module, "during")
+
+    def _due(self, step: int) -> bool:
+        """An evaluation every_n_steps (step 0 is `before`'s)."""
+        return bool(self.every_n_steps and step and step % self.every_n_steps == 0)
 
     def on_load_checkpoint(self, trainer, module, checkpoint: dict[str, Any]) -> None:
         """Resuming: eval.jsonl and samples.csv keep the evaluations up to the checkpoint's step (later ones are
@@ -115,9 +122,9 @@ class Evaluation(L.Callback):
                 _trim_table(module.run_dir() / "samples.csv", step)
 
     def on_train_end(self, trainer, module) -> None:
-        if self.after:
+        if self.after or self._due(trainer.global_step):  # the last step's own, due or asked for
             with final_phase():  # a signal stops it at once, with a checkpoint (esrl.callbacks.interruption)
-                self._run(trainer, module, "after")
+                self._run(trainer, module, "after" if self.after else "during")
         if trainer.is_global_zero and len(self.history) >= 2:
             first, last = self.history[0], self.history[-1]
             rank_zero_info(f"[eval] reward {first['reward']:.4g} (step {first['step']}) -> "
@@ -126,9 +133,9 @@ class Evaluation(L.Callback):
     def on_fit_end(self, trainer, module) -> None:
         """A run resumed from its last step trains nothing (Lightning skips on_train_end): the final evaluation
         the interrupted run did not finish (a scorer outage) runs here, before final/ is written."""
-        if self.after and trainer.global_step != self._last_step:
+        if (self.after or self._due(trainer.global_step)) and trainer.global_step != self._last_step:
             with final_phase():
-                self._run(trainer, module, "after")
+                self._run(trainer, module, "after" if self.after else "during")
 
     # -- evaluation ----------------------------------------------------------------------------------
     def evaluate(self, module) -> tuple[dict[str, float], list[dict[str, Any]]]:

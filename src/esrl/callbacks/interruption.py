@@ -39,10 +39,8 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-
-from esrl.errors import NonFiniteUpdateError
 
 EXIT_CODES = {"SIGTERM": 143, "SIGINT": 130}
 SIGNALS = (None, "SIGTERM", "SIGINT")  # by strength: a Ctrl+C on any rank names the stop SIGINT on all
@@ -89,7 +87,6 @@ class Interruption(L.Callback):
         self._lightning_sigterm: Any = None
         self._announce = True
         self._saved_at: int | None = None
-        self._started_at: int | None = None
         self._step_before = -1
         self._pending = 0  # the strongest signal noted on this rank since the fit started (SIGNALS' index)
         self._world_size = 1
@@ -99,7 +96,6 @@ class Interruption(L.Callback):
         interrupted_by = None
         self._pending = 0
         self._saved_at = None
-        self._started_at = trainer.global_step  # a failure after a step finished here saves interrupted.ckpt
         self._announce = trainer.is_global_zero  # one "stopping" line for a terminal's Ctrl+C to every rank
         self._world_size = trainer.world_size
         # After Lightning registered its handlers (it restores the previous ones at teardown).
@@ -180,35 +176,11 @@ class Interruption(L.Callback):
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         global interrupted_by
-        if not isinstance(exception, SIGTERMException):
-            self._save_after_failure(trainer, pl_module, exception)
+        if not isinstance(exception, SIGTERMException):  # a failure: esrl.callbacks.failure
             return
         interrupted_by = interrupted_by or "SIGTERM"
         if self._saved_at != trainer.global_step:  # a stop that came another way than on_train_batch_end
             self._save(trainer, pl_module)
-
-    def _save_after_failure(self, trainer, pl_module, error: BaseException) -> None:
-        """A fit that fails (a scorer down after its retries, a reward function's bug, a full disk at final/) keeps
-        the steps it finished since its last checkpoint: interrupted.ckpt at the failed step's start, whose resume
-        takes that step's prompts again (PromptDataModule.state_dict), once the cause is fixed. Not saved: a second
-        Ctrl+C (KeyboardInterrupt: stop at once), a non-finite update (its weights are the failure), GRPO's update
-        applied but not yet counted (`update_in_flight`), a fit that finished no step, and several processes (the
-        save is a collective that ranks which did not fail would not join; the periodic checkpoints stay)."""
-        if (not isinstance(error, Exception) or isinstance(error, NonFiniteUpdateError)
-                or getattr(pl_module, "update_in_flight", False) or trainer.world_size > 1
-                or self._started_at is None or trainer.global_step <= self._started_at
-                or self._saved_at == trainer.global_step):
-            return
-        path = pl_module.run_dir() / "checkpoints" / CHECKPOINT
-        try:
-            trainer.save_checkpoint(path, weights_only=False)
-        except Exception as e:  # noqa: BLE001 - the fit's own error is the one to raise
-            rank_zero_warn(f"esrl: the fit failed at step {trainer.global_step} and its checkpoint could not be saved "
-                           f"({type(e).__name__}: {e})")
-            return
-        self._saved_at = trainer.global_step
-        rank_zero_info(f"esrl: the fit failed at step {trainer.global_step}: saved {path}; once the cause is fixed, "
-                       f"resume with --ckpt_path {path}")
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         """The run finished: its interrupted.ckpt is spent (a restarted job must not resume from it). Not at

@@ -21,7 +21,7 @@ from esrl.es.seed_log import append_record, make_header, make_record, write_seed
 from esrl.es.setup import build_optimizer, build_policy, build_selection
 from esrl.es.shaping import shape_fitness
 from esrl.es.update import es_step, weights_checksum
-from esrl.final import write_final
+from esrl.atomic_files import write_final
 from esrl.policy import PolicyConfig, PolicyModule, precision_dtype, world_info
 from esrl.rollout import AdapterSpec, Completion, RolloutConfig, engine_capabilities
 from esrl.tasks.reward_values import check_bad_rewards, reward_name

@@ -349,7 +349,7 @@ class GRPOModule(PolicyModule):
         policy itself); non-finite weights stop the run (esrl.finite)."""
         step = self.global_step
         super().optimizer_step(*args, **kwargs)
-        self.update_in_flight = True  # esrl.callbacks.interruption: a checkpoint now would hold an uncounted update
+        self.update_in_flight = True  # esrl.callbacks.failure: a checkpoint now would hold an uncounted update
         if self._closes_window:  # else DeepSpeed, mid-window: its engine took no step (see training_step)
             check_weights((p for p in self.policy.parameters() if p.requires_grad), algo="GRPO", step=step)
             self.sync_engine()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections.abc
 import difflib
 import inspect
+import os
 import types
 import typing
 from typing import Any, Callable
@@ -65,7 +66,10 @@ def check_option_types(builder: Callable[..., Task], options: dict[str, Any]) ->
     """data.task_args' values against the builder's scalar annotations (int, float, bool, str, a sequence of them,
     None where allowed): `num_train: 1.5` named, not a slice's error from inside the task. Other annotations (a
     Scorer object, a dict) are the builder's to check."""
-    hints = typing.get_type_hints(builder)
+    try:
+        hints = typing.get_type_hints(builder)
+    except (NameError, TypeError, AttributeError):  # a partial, a name imported under TYPE_CHECKING: unchecked
+        return
     for key, value in options.items():
         allowed = [t for t in _union(hints.get(key)) if t is not type(None)]
         if value is None and type(None) in _union(hints.get(key)) or not allowed:
@@ -100,6 +104,8 @@ def _is(value: Any, kind: type) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if kind is int:
         return isinstance(value, int) and not isinstance(value, bool)
+    if kind is str:  # a path from Python code
+        return isinstance(value, (str, os.PathLike))
     return isinstance(value, kind)
 
 
