@@ -70,11 +70,13 @@ def test_a_failed_step_leaves_a_checkpoint_that_resumes_into_the_weights_of_a_ru
 
 def test_no_checkpoint_of_a_state_that_could_not_resume(tiny_model, tmp_path):
     """Not saved: GRPO's update applied but not yet counted by Lightning (the engine's sync after it failed: a resume
-    would apply it twice), a non-finite update (its weights are the failure), and a fit that failed before finishing
-    a step (nothing to keep). A step that failed after the first: saved."""
+    would apply it twice), a non-finite update (its weights are the failure), a failure in an epoch's end hooks (its
+    loop counters resumed one batch off), and a fit that failed before finishing a step (nothing to keep). A step
+    that failed after the first: saved."""
     cases = {"uncounted": ("grpo", FailAt(lambda m: m, "sync_engine", 1), None),
              "non_finite": ("es", FailAt(lambda m: m.task, "rewards", 1, error=NonFiniteUpdateError), None),
              "first_step": ("es", FailAt(lambda m: m.task, "rewards", 0), None),
+             "epoch_end": ("es", FailAt(lambda m: m, "on_train_epoch_end", 1), None),
              "second_step": ("grpo", FailAt(lambda m: m.task, "rewards", 1), 1)}
     for name, (algo, fail, saved_at) in cases.items():
         module = _fit(tiny_model, tmp_path / name, algo, callbacks=[fail])

@@ -14,7 +14,8 @@ that failed in an evaluation resumed without that evaluation. Here:
   done and the checkpoint holds it; an evaluation it did not finish runs on resume (esrl.callbacks.evaluation).
 - Not saved: a second Ctrl+C (KeyboardInterrupt: stop at once), a non-finite update (its weights are the failure),
   GRPO's update applied but not yet counted (`update_in_flight`: a resume would apply it twice), a failure inside an
-  accumulation window after its first micro-batch (the window's rollouts and gradients are in no checkpoint), a fit
+  accumulation window after its first micro-batch (the window's rollouts and gradients are in no checkpoint), one in
+  an epoch's end hooks (its loop counters resume one batch off), a fit
   that finished no step since it started, and several processes: the save is a collective that ranks which did not
   fail would not join, so their periodic checkpoints stay the way to resume. Nor where a ModelCheckpoint saved the
   same state (the step before's end, at this step): a 7B model's second copy, for nothing.
@@ -53,7 +54,8 @@ class FailureCheckpoint(L.Callback):
         counted = trainer.global_step != self._step_done  # the failed batch's update was counted
         if (not isinstance(exception, Exception) or isinstance(exception, NonFiniteUpdateError)
                 or getattr(pl_module, "update_in_flight", False) or (self._window_open and not counted)
-                or trainer.world_size > 1 or self._started_at is None or trainer.global_step <= self._started_at):
+                or trainer.world_size > 1 or self._started_at is None or trainer.global_step <= self._started_at
+                or _epoch_body_done(trainer)):
             return
         if not counted and any(getattr(c, "_last_global_step_saved", None) == trainer.global_step
                                for c in trainer.checkpoint_callbacks):  # a ModelCheckpoint saved this very state
@@ -82,3 +84,11 @@ class FailureCheckpoint(L.Callback):
         progress = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
         for counts in (progress["total"], progress["current"]):
             counts["ready"] = counts["started"] = counts["processed"]
+
+
+def _epoch_body_done(trainer) -> bool:
+    """A failure after the epoch's batches, in its end hooks (on_train_epoch_end: a ModelCheckpoint saving there onto
+    a full disk): Lightning's counters there resume with one batch too many in that epoch, so nothing is saved."""
+    epoch = trainer.fit_loop.epoch_progress.current
+    return epoch.processed != epoch.completed
+

@@ -115,6 +115,14 @@ def read_seed_log(path: str | Path, steps: int | None = None) -> tuple[dict[str,
     return header, records
 
 
+def _device_type(name: str) -> bool:
+    """Whether `name` is a device type torch knows ('distributed' is a torch module, not one)."""
+    try:
+        return torch.device(name).type == name
+    except RuntimeError:
+        return False
+
+
 def _check_header(header: dict[str, Any], path: Path) -> int:
     """The population size of a header whose fields rebuild the run (its ES config, its policy and noise seed), or a
     DataError naming the field: an edited header failed deep in the replay (KeyError, an unknown mode)."""
@@ -127,7 +135,7 @@ def _check_header(header: dict[str, Any], path: Path) -> int:
     if policy["dtype"] not in DTYPES:
         raise DataError(f"{path}:1: the header's 'policy.dtype' {policy['dtype']!r} is not one of {', '.join(DTYPES)}")
     device = header.get("device", "cpu")
-    if not isinstance(device, str) or not hasattr(getattr(torch, device, None), "is_available"):
+    if not (isinstance(device, str) and _device_type(device) and hasattr(getattr(torch, device, None), "is_available")):
         raise DataError(f"{path}:1: the header's 'device' {device!r} is not a torch device type (cpu, cuda, ...)")
     if isinstance(header.get("noise_seed"), bool) or not isinstance(header.get("noise_seed"), int):
         raise DataError(f"{path}:1: the header's 'noise_seed' is not an integer")
