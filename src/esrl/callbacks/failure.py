@@ -15,10 +15,10 @@ that failed in an evaluation resumed without that evaluation. Here:
 - Not saved: a second Ctrl+C (KeyboardInterrupt: stop at once), a non-finite update (its weights are the failure),
   GRPO's update applied but not yet counted (`update_in_flight`: a resume would apply it twice), a failure inside an
   accumulation window after its first micro-batch (the window's rollouts and gradients are in no checkpoint), one in
-  an epoch's end hooks (its loop counters resume one batch off), a fit
-  that finished no step since it started, and several processes: the save is a collective that ranks which did not
-  fail would not join, so their periodic checkpoints stay the way to resume. Nor where a ModelCheckpoint saved the
-  same state (the step before's end, at this step): a 7B model's second copy, for nothing.
+  an epoch's end hooks (its loop counters resume one batch off), a fit that finished no step since it started, and
+  several processes: the save is a collective that ranks which did not fail would not join, so their periodic
+  checkpoints stay the way to resume. Nor where a ModelCheckpoint saved the same state (the step before's end, at
+  this step): a 7B model's second copy, for nothing.
 """
 
 from __future__ import annotations

@@ -118,4 +118,4 @@ def rollout_tensors(tokenizer, prompt_ids: list[list[int]], completions: list[Co
     loss_mask = present * (~truncated).long().unsqueeze(1) if mask_truncated else present
     return RolloutBatch(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                         completion_mask=loss_mask.to(device), rewards=rewards, advantages=advantages.to(device),
-                        lengths=torch.tensor([len(c.token_ids) for c in completions]), truncated=truncated)
+                        lengths=present.sum(1), truncated=truncated)
