@@ -51,7 +51,8 @@ demo: $(STAMP)
 	$(BIN)/esrl fit --config configs/demo/es_conciseness.yaml $(if $(DEMO_STEPS),--trainer.max_steps $(DEMO_STEPS))
 
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q --durations=25 $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile) tests
+	$(BIN)/python -m pytest -q --durations=25 \
+	  $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) tests
 
 # Regenerate requirements/cpu.txt and requirements/gpu.txt with pip's resolver (a few minutes, needs PyPI),
 # then `make clean test` to check the suite with them.

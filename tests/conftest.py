@@ -102,6 +102,20 @@ def _cli_server():
     stop_server()
 
 
+LONGEST_FIRST = ("test_resume_slurm.py", "test_resume.py", "test_grpo_fit.py", "test_study.py", "test_vllm_es.py",
+                 "test_vllm_engine.py", "test_vllm_lowrank.py", "test_es_fit.py", "test_pku_fit.py",
+                 "test_cli_errors.py", "test_analysis.py", "test_study_interrupt.py", "test_elo.py",
+                 "test_failure_checkpoint.py", "test_lowrank_kernel.py")
+"""The files that took longest (`pytest --durations`, 2 cores), in that order. `make test` hands whole files to its
+workers in collection order (--no-loadscope-reorder; pytest-xdist's own order, by test count, left the longest for
+last, and one worker ran them while the others idled). A stale entry costs minutes, never a result."""
+
+
+def pytest_collection_modifyitems(items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep pytest's order
+
+
 def pytest_sessionfinish(session) -> None:
     """Under pytest-xdist (`make test`), a worker hands its calls' count to the controller, which prints them."""
     if hasattr(session.config, "workeroutput"):

@@ -4,17 +4,20 @@ process runs them all, so torch is imported once. This checks that they start, n
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted(p for p in [*ROOT.glob("benchmarks/*.py"), *ROOT.glob("benchmarks/gpu/*.py")]
                  if p.name != "bench_setup.py")
 
 CHILD = """
-import contextlib, io, runpy, sys
-failed = []
+import contextlib, io, json, runpy, sys
+failed, usage = [], {}
 for path in sys.argv[1:]:
     sys.argv = [path, "--help"]
     sys.path[:0] = [str(__import__("pathlib").Path(path).parent)]
@@ -26,24 +29,31 @@ for path in sys.argv[1:]:
     except SystemExit as e:
         if e.code not in (0, None) or "usage:" not in out.getvalue():
             failed.append((path, f"exit {e.code}"))
+        usage[path] = out.getvalue()
     except Exception as e:
         failed.append((path, f"{type(e).__name__}: {e}"))
     finally:
         del sys.path[0]
-print(repr(failed))
+print(json.dumps({"failed": failed, "usage": usage}))
 """
 
 
-def test_every_benchmark_script_starts_and_prints_its_usage():
-    assert len(SCRIPTS) >= 10, SCRIPTS
+@pytest.fixture(scope="module")
+def usages() -> dict:
+    """{"failed": [(script, why)], "usage": {script: its --help text}}, from one child process."""
     done = subprocess.run([sys.executable, "-c", CHILD, *map(str, SCRIPTS)], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    failed = eval(done.stdout.strip().splitlines()[-1])
-    assert not failed, failed
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_the_gpu_call_scripts_parse_and_pass_only_flags_their_benchmarks_have():
+def test_every_benchmark_script_starts_and_prints_its_usage(usages):
+    assert len(SCRIPTS) >= 10, SCRIPTS
+    assert not usages["failed"], usages["failed"]
+    assert set(usages["usage"]) == set(map(str, SCRIPTS))
+
+
+def test_the_gpu_call_scripts_parse_and_pass_only_flags_their_benchmarks_have(usages):
     """A device session's one call runs benchmarks/gpu/*.sh on a machine lent for minutes: a shell syntax error, or
     a flag a benchmark no longer has, would spend it. Each script parses (`bash -n`), and every --flag written on a
     line that runs a benchmark (or in the shell variables it passes, BENCH's) is in that benchmark's --help."""
@@ -64,8 +74,7 @@ def test_the_gpu_call_scripts_parse_and_pass_only_flags_their_benchmarks_have():
             used = {f for line in lines for f in flag.findall(line)}
             used |= {f for line in lines for name in re.findall(r"\$(\w+)", line)
                      for f in flag.findall(variables.get(name, ""))}
-            help_text = subprocess.run([sys.executable, str(path), "--help"], cwd=path.parent, capture_output=True,
-                                       text=True, timeout=120).stdout
+            help_text = usages["usage"][str(path)]
             assert not used - set(flag.findall(help_text)), (script.name, bench, used - set(flag.findall(help_text)))
             checked += len(used)
     assert checked > 20, checked  # the scripts' benchmark lines were found

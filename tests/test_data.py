@@ -43,3 +43,11 @@ def test_resume_continues_the_same_windows():
         resumed = PromptSampler(12, True, 9, window_size=size, window_repeats=repeats)
         resumed.resume_at = (1, batches * size)
         assert _served(resumed, 1) == whole[batches * size:]
+
+
+def test_a_task_without_evaluation_rows_says_its_evaluations_score_the_training_prompts():
+    from esrl.data import PromptDataModule
+
+    with pytest.warns(UserWarning, match="data.task 'countdown' has no evaluation rows .* score the training prompts"):
+        data = PromptDataModule("countdown", {"num_train": 8, "num_eval": 0})
+    assert [r for b in data.eval_dataloader() for r in b["rows"]] == data.task.train_rows

@@ -146,6 +146,9 @@ def test_bootstrap_is_seeded_and_brackets_the_rating():
     # and clear votes that name a tie word are no ties
     ("B. Response A repeats the same error.", "B"), ("Neither is perfect, but B is better than A.", "B"),
     ("A is better; B gives the same answer but wrong.", "A"),
+    # a leading letter followed by a comma, a semicolon, a bracket or a dash was once a tie (the other letter named)
+    ("B, since A repeats the same mistake.", "B"), ("B (A is equally fluent but unsafe)", "B"),
+    ("B - A is equally long but wrong", "B"), ("A; B is equally long but wrong", "A"),
 ])
 def test_parse_verdict(text, verdict):
     assert parse_verdict(text) == verdict
@@ -180,6 +183,24 @@ def test_samples_csv_from_the_evaluation_callback_gives_its_last_step(tmp_path):
     assert t.models == ["run_es", "b"] and t.completions == {"run_es": ["new1", "new, 2"], "b": ["b1", "b2"]}
 
 
+
+def test_a_study_runs_samples_csv_with_an_equals_sign_in_its_path_and_an_old_chat_prompt(tmp_path):
+    """`esrl study` names its run folders es_seed=0: that path is a path, not NAME=PATH. A samples.csv written before
+    chat prompts went to it as text holds their Python repr: read as the text, it pairs with a file that has it."""
+    import csv
+
+    run_dir = tmp_path / "runs" / "es_seed=0"
+    run_dir.mkdir(parents=True)
+    with (run_dir / "samples.csv").open("w", newline="") as f:
+        csv.writer(f).writerows([["step", "prompt", "greedy", "reward", "sample"],
+                                 [3, str([{"role": "user", "content": "Q1"}]), "es1", 1, ""]])
+    (tmp_path / "b.jsonl").write_text('{"prompt": "Q1", "completion": "b1"}\n')
+    for spec in (str(run_dir / "samples.csv"), f"es={run_dir / 'samples.csv'}"):
+        t = line_up([spec, str(tmp_path / "b.jsonl")])
+        assert t.models == [spec.partition("=")[0] if spec.startswith("es=") else "es_seed=0", "b"]
+        assert t.prompts == ["Q1"] and t.completions[t.models[0]] == ["es1"]
+
+
 def test_position_bias_cancels_and_the_better_model_ranks_first(tmp_path):
     specs = write_files(tmp_path / "files")
     always_a = run(elo_args("http://127.0.0.1:9/v1", specs, tmp_path / "a"), judge=StubJudge(lambda a, b: "A"))
@@ -210,6 +231,31 @@ def test_identical_responses_are_ties_without_asking(tmp_path):
     ratings = summary["ratings"]["helpfulness"]
     assert ratings["es"]["rating"] == ratings["same"]["rating"] < ratings["grpo"]["rating"]
     assert ratings["es"]["ties"] == 3 and ratings["es"]["losses"] == 3
+
+
+def test_an_answer_max_tokens_cut_off_is_asked_again_once_the_judge_has_more(tmp_path):
+    """"Response A is" reads as A, but max_tokens cut it: with more tokens the rerun asks again (and only then)."""
+    from esrl.elo.judge import JudgeAnswer
+
+    class Cut(StubJudge):
+        def __init__(self, max_tokens):
+            super().__init__(None)
+            self.max_tokens = max_tokens
+
+        def ask(self, criterion, prompt, a, b):
+            self.calls += 1
+            answer = JudgeAnswer("Response A is" if self.max_tokens < 8 else "A" if a in COMPLETIONS["es"] else "B")
+            answer.truncated = self.max_tokens < 8
+            return answer
+
+    specs = write_files(tmp_path / "files", models=("es", "base"))
+    args = elo_args("http://127.0.0.1:9/v1", specs, tmp_path / "out", "--criteria", "helpfulness")
+    first = run(args, judge=Cut(4))
+    assert counts(first)[2] == 6 and first["ratings"]["overall"]["es"]["ties"] == 3  # always A: position, no verdict
+    assert run(args, judge=Cut(4))["judgments"]["queried"] == 0  # the same budget: nothing to gain
+    more = run(args, judge=Cut(64))
+    assert more["judgments"]["queried"] == 6 and more["ratings"]["overall"]["es"]["wins"] == 3  # es's, both orders
+    assert run(args, judge=Cut(64))["judgments"]["queried"] == 0
 
 
 def test_malformed_line_is_one_error_naming_file_and_line(tmp_path):
@@ -254,6 +300,21 @@ def test_client_retries_5xx_and_fails_fast_on_4xx():
     with pytest.raises(JudgeError, match=r"judge http://judge.test/v1/chat/completions: HTTP 401 Incorrect API"):
         judge.ask("helpfulness", "p", "a", "b")
     assert len(seen) == 4
+
+
+def test_the_client_says_when_max_tokens_cut_the_answer():
+    import httpx
+
+    def handler(request):
+        cut = json.loads(request.content)["max_tokens"] < 8
+        return httpx.Response(200, json={"choices": [{"message": {"content": "Response A is" if cut else "B"},
+                                                      "finish_reason": "length" if cut else "stop"}]})
+
+    for max_tokens, text, cut in ((4, "Response A is", True), (64, "B", False)):
+        judge = ChatJudge("http://judge.test/v1", "m", max_tokens=max_tokens)
+        judge._client = httpx.Client(transport=httpx.MockTransport(handler))
+        answer = judge.ask("helpfulness", "p", "a", "b")
+        assert (answer, answer.truncated) == (text, cut)
 
 
 def test_unreachable_judge_names_the_url_and_attempts():

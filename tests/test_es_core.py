@@ -72,6 +72,16 @@ def test_all_equal_fitness_gives_zero_update_never_nan(method):
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("n,value", [(7, 0.7), (30, 1000000.1), (100, 123456.789)])
+def test_equal_fitness_whose_mean_rounds_off_them_still_shapes_to_zeros(n, value):
+    """The mean of these equal values is off by a rounding step; (f - mean) / (0 + 1e-8) made it a random update."""
+    f = torch.full((n,), value, dtype=torch.float64)
+    assert f.mean() != value  # the case: the mean rounds away from the values
+    assert torch.equal(shape_fitness(f, "zscore"), torch.zeros(n, dtype=torch.float64))
+    with_nan = torch.tensor([value] * n + [float("nan")])
+    assert torch.equal(shape_fitness(with_nan, "zscore"), torch.zeros(n + 1, dtype=torch.float64))
+
+
 def test_update_equals_written_out_sum_over_perturbed_copies():
     """theta + alpha/N sum_i z_i eps_i, with eps_i read off explicitly perturbed copies of the model."""
     m = small_model()
@@ -218,3 +228,11 @@ def test_the_member_table_gathered_from_ranks_gives_the_metrics_over_all_complet
     assert metrics == {"train/completion_length_mean": 4.5, "train/completion_length_min": 3.0,
                        "train/completion_length_max": 6.0, "train/truncated_frac": 0.25,
                        "train/rewards/f/mean": pytest.approx(1 / 3)}
+
+
+def test_an_unknown_shaping_is_named_when_the_config_is_checked_not_after_an_iteration():
+    from esrl.errors import ConfigError
+    from esrl.es.config import ESConfig
+
+    with pytest.raises(ConfigError, match="model.es.shaping: choose zscore, centered_rank or raw, got 'bogus'"):
+        ESConfig(shaping="bogus").validate()

@@ -70,6 +70,10 @@ def test_evaluation_before_during_after_with_kl_and_pass_at_k(reference_run):
     assert evals[-1]["kl"] > 0.0
     samples = (reference_run.parent.parent / "samples.csv").read_text().splitlines()
     assert samples[0] == "step,prompt,greedy,reward,sample" and len(samples) > 3
+    import csv
+
+    prompts = [row["prompt"] for row in csv.DictReader(samples)]
+    assert prompts and all(p.strip() and "'role'" not in p for p in prompts), prompts[:2]  # the text, not a list repr
 
 
 def test_two_runs_with_one_seed_give_identical_weights(es_config, reference_run, tmp_path):

@@ -81,6 +81,19 @@ SPECS = [NoiseSpec(mode="lowrank", sigma=0.05, rank=1),
          NoiseSpec(mode="lowrank", sigma=2.0, rank=2, sigma_scaling="rms", lowrank_vectors="full")]
 
 
+def test_full_vectors_on_a_module_that_takes_one_weight_name_it_and_leave_no_hook():
+    """nn.LayerNorm's F.layer_norm takes one weight, not one per row: one config error naming the tensor."""
+    from esrl.errors import ConfigError
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    spec = NoiseSpec(mode="lowrank", sigma=0.05, rank=1, lowrank_vectors="full")
+    sel = lowrank_selection(model, select_params(model), spec)
+    with pytest.raises(ConfigError, match=r"lowrank_vectors: full cannot perturb weight, bias of 1 \(LayerNorm\)"):
+        with torch.no_grad(), PopulationPerturbation(model, sel, spec, population(0, 0, 2), torch.arange(2)):
+            model(torch.ones(2, 3, 4))
+    assert not any(m._forward_hooks for m in model.modules())
+
+
 @pytest.mark.parametrize("spec", SPECS, ids=["r1", "r3-vectors", "rms"])
 def test_batched_logits_equal_explicitly_perturbed_model(tiny_lm, tok, spec):
     sel = lowrank_selection(tiny_lm, select_params(tiny_lm), spec)

@@ -54,6 +54,43 @@ def test_a_chunked_body_over_the_limit_is_refused_without_reading_it_whole(servi
     assert httpx.get(f"{service}/health", headers=headers, timeout=5).status_code == 200  # still serving
 
 
+def test_a_client_left_without_limits_splits_by_the_services_after_its_first_413(service):
+    """The service takes 4 items a request; a client told no limits sends 10, is refused (413), reads GET /health
+    once and sends them 4, 4 and 2 at a time: every reward comes back, in order."""
+    from esrl.scoring.client import HTTPScorer
+
+    scorer = HTTPScorer(service, token="t0ken", retries=0)
+    assert scorer.score(["p"] * 10, [f"r{i}" for i in range(10)])[0] == [1.0] * 10
+    assert (scorer.max_items, scorer.max_chars) == (4, 1000)
+    with pytest.raises(ValueError, match="max_items and max_chars must be >= 1"):
+        HTTPScorer(service, token="t0ken", max_items=0)
+
+
+def test_a_bad_answer_names_its_item_in_the_whole_batch_not_in_its_request():
+    """A service (not esrl's) that answers a string for the response "bad": the client names rewards[3] of the 4 it
+    was asked, not rewards[1] of the second request of 2."""
+    from esrl.errors import ScorerError
+    from esrl.scoring.client import HTTPScorer
+    from esrl.scoring.service import serve_in_thread
+    from fastapi import FastAPI
+
+    app = FastAPI()
+
+    @app.post("/score_batch")
+    async def score_batch(body: dict):
+        responses = body["responses"]
+        return {"rewards": ["x" if r == "bad" else 1.0 for r in responses], "costs": [0.0] * len(responses)}
+
+    server, thread, port = serve_in_thread(app)
+    try:
+        scorer = HTTPScorer(f"http://127.0.0.1:{port}", retries=0, max_items=2)
+        with pytest.raises(ScorerError, match=r"score_batch \(items 2\.\.3 of 4\): rewards\[3\] is not a number"):
+            scorer.score(["p"] * 4, ["a", "b", "c", "bad"])
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
 def test_a_token_is_generated_printed_once_and_required(service, monkeypatch, capsys):
     import httpx
 

@@ -13,14 +13,24 @@ from pathlib import Path
 from typing import Callable
 
 
-def write_text(path: str | Path, text: str) -> Path:
-    """`text` as the whole of `path` (a temporary file per process beside it, so processes writing the same file at
-    once, as a sweep's array tasks summarize, each replace it whole)."""
+def write_with(path: str | Path, write: Callable[[Path], object]) -> Path:
+    """`write(tmp)` writes the file, which then becomes the whole of `path` (a temporary file per process beside it,
+    so processes writing the same file at once, as a sweep's array tasks summarize, each replace it whole). The
+    temporary name does not end as `path` does: a writer that infers a format from the suffix needs it given."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    """`text` as the whole of `path` (write_with)."""
+    return write_with(path, lambda tmp: tmp.write_text(text))
 
 
 def partial_dir(out: Path) -> Path:

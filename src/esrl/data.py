@@ -86,6 +86,11 @@ class PromptDataModule(L.LightningDataModule):
         self.task: Task = build_task(task, **(task_args or {}))
         n = len(self.task.train_rows)
         require(n > 0, "data.task", f"task {task!r} has no training rows")
+        if not self.task.eval_rows:  # said once, at the start: an evaluation's numbers are then training numbers
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(f"data.task {task!r} has no evaluation rows (with these task_args): evaluations score "
+                           "the training prompts")
         # A larger batch would silently shrink to the data set: say so before any model loads.
         require(prompts_per_step <= n, "data.prompts_per_step",
                 f"{prompts_per_step} prompts per step, but task {task!r} has only {n} training prompts")

@@ -18,6 +18,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from esrl.atomic_files import write_text, write_with
 from esrl.errors import EsrlError
 from esrl.es.params import ParamSelection
 from esrl.rollout.base import Completion
@@ -225,7 +226,6 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
 # -- outputs ------------------------------------------------------------------------------------------------
 def write_json(path: Path, data: dict[str, Any]) -> Path:
     """Whole or not at all: a study reads a summary to decide what is done."""
-    from esrl.atomic_files import write_text
 
     path.parent.mkdir(parents=True, exist_ok=True)
     return write_text(path, json.dumps(data, indent=2, allow_nan=False) + "\n")
@@ -243,7 +243,7 @@ def pyplot():
 def save_figure(fig, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    write_with(path, lambda tmp: fig.savefig(tmp, dpi=120, format=path.suffix.lstrip(".") or "png"))
     pyplot().close(fig)
     return path
 

@@ -19,10 +19,12 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from esrl.atomic_files import write_text, write_with
 from esrl.callbacks.interruption import final_phase
 from esrl.errors import DataError, RewardError
 from esrl.metrics import hacking_indicators, k3_kl, pass_at_k, special_token_share
 from esrl.rollout.hf import end_token_ids
+from esrl.tasks.base import prompt_text
 from esrl.tasks.reward_logs import refuse_clashes
 
 
@@ -118,7 +120,7 @@ class Evaluation(L.Callback):
             self.history = [r for r in rows if r.get("step", 0) <= step]
             self._last_step = step if any(r.get("step") == step for r in self.history) else -1
             if trainer.is_global_zero:
-                path.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+                write_text(path, "".join(json.dumps(r) + "\n" for r in self.history))
                 _trim_table(module.run_dir() / "samples.csv", step)
 
     def on_train_end(self, trainer, module) -> None:
@@ -150,7 +152,7 @@ class Evaluation(L.Callback):
             [c.token_ids for c in greedy], module.tokenizer.all_special_ids,
             end_token_ids(module.policy, module.tokenizer)))
         own = {f"hacking/{k}": v for k, v in indicators.items()}
-        table = [{"prompt": str(p), "greedy": t, "reward": r} for p, t, r in
+        table = [{"prompt": prompt_text(p), "greedy": t, "reward": r} for p, t, r in
                  zip(module.task.prompts(rows), texts, values["reward"])][: self.table_rows]
         if self.num_samples:
             own.update(self._sampled(module, rows, table))
@@ -265,9 +267,13 @@ def _trim_table(path, step: int) -> None:
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
         fields, rows = reader.fieldnames, [r for r in reader if int(r["step"]) <= step]
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
+
+    def write(tmp: Path) -> None:
+        with tmp.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=fields)
+            writer.writeheader()
+            writer.writerows(rows)
+
+    write_with(path, write)
 
 

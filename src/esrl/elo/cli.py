@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from esrl.atomic_files import write_text
 from esrl.checkpoints import check_root_dir
 from esrl.elo.judge import TEMPLATES, ChatJudge, api_key_from_env
 from esrl.errors import ConfigError
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace, judge: Any = None) -> dict[str, Any]:
                "criteria": args.criteria, "prompts": len(tournament.prompts), "bootstrap": args.bootstrap,
                "seed": args.seed, "prior": args.prior, "confidence": 0.95, "method": "bradley-terry",
                "ratings": ratings, "judgments": counts, "seconds": round(time.perf_counter() - start, 3)}
-    (out / "ratings.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
+    write_text(out / "ratings.json", json.dumps(summary, indent=2, allow_nan=False) + "\n")
     plot(ratings, out / "ratings.png")
     print_table(summary)
     print(f"judgments: {counts['total']} distinct, {counts['cached']} cached, {counts['queried']} queried, "

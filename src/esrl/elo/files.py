@@ -10,12 +10,14 @@ Rows are paired across files by id when every row of every file has one, else by
 
 from __future__ import annotations
 
+import ast
 import csv
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from esrl.errors import ConfigError, DataError
+from esrl.tasks.base import prompt_text
 from esrl.tasks.io import read_jsonl
 
 
@@ -38,9 +40,10 @@ class Tournament:
 
 
 def parse_spec(spec: str) -> tuple[str, Path]:
-    """`name=path` or `path` (name: the file's stem, or its folder's name for a samples.csv)."""
+    """`name=path` or `path` (name: the file's stem, or its folder's name for a samples.csv). A path may hold `=`
+    (a study's runs/es_seed=0/samples.csv): the text before the first `=` names a model only when it has no `/`."""
     name, sep, path = spec.partition("=")
-    if not sep:
+    if not sep or "/" in name or Path(spec).exists():
         name, path = "", spec
     file = Path(path)
     if not name:
@@ -61,6 +64,16 @@ def _check_jsonl(row: dict[str, Any], where: str) -> None:
     row["_where"] = where
 
 
+def _readable(prompt: str) -> str:
+    """A chat prompt that esrl before 2026-11-27 wrote to samples.csv as a Python list repr, as its text."""
+    if prompt.startswith("[{'role'"):
+        try:
+            return prompt_text(ast.literal_eval(prompt))
+        except (ValueError, SyntaxError, TypeError, AttributeError):
+            return prompt
+    return prompt
+
+
 def _read_samples_csv(path: Path) -> list[Row]:
     try:
         with path.open(newline="", encoding="utf-8") as f:
@@ -76,7 +89,7 @@ def _read_samples_csv(path: Path) -> list[Row]:
                     step = int(raw["step"])
                 except (TypeError, ValueError):
                     raise DataError(f"{where}: column 'step' must be an integer, got {raw['step']!r:.60}") from None
-                rows.append((step, Row(raw["prompt"] or "", raw["greedy"] or "", None, where)))
+                rows.append((step, Row(_readable(raw["prompt"] or ""), raw["greedy"] or "", None, where)))
     except FileNotFoundError:
         raise DataError(f"{path}: file not found") from None
     except (OSError, UnicodeDecodeError, csv.Error) as e:

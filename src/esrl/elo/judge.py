@@ -43,9 +43,16 @@ TEMPLATES = {
 }
 
 _LETTER = re.compile(r"(?<![A-Za-z0-9])(A|B)(?![A-Za-z0-9])")
-_ALONE = re.compile(r"^\W*(A|B)\W*(?:$|[.:)\n])")
+_ALONE = re.compile(r"^\W*(A|B)(?:\W*(?:$|[.:)\n,;])|\s+[-(])")
 _BETTER = re.compile(r"(?<![A-Za-z0-9])(A|B) is (?:better|more|clearer|safer|preferable|preferred)")
 _TIE = re.compile(r"\b(tie|tied|equal|equally|neither|same)\b", re.IGNORECASE)
+
+
+class JudgeAnswer(str):
+    """The judge's raw answer, and whether max_tokens cut it off (its finish_reason "length"): a cut answer may still
+    read as a verdict ("Response A is"), so a rerun with a larger --max-tokens asks it again."""
+
+    truncated: bool = False
 
 
 class JudgeError(EsrlError, RuntimeError):
@@ -56,7 +63,8 @@ def parse_verdict(text: str) -> str | None:
     """'A', 'B' or 'tie' from the judge's answer; None when it names neither (the tournament counts it a tie).
 
     A and B count only as standalone capitals ("A", "(B)", "Response A:"), so the article "a" is no vote. In order:
-    a letter standing alone first ("B.", "**A**"); a letter said to be better ("Neither is perfect, but B is
+    a letter standing alone first ("B.", "**A**", "B, since ...", "B (...)"); a letter said to be better ("Neither is
+    perfect, but B is
     better"); a tie word with no letter or both ("A and B are equally helpful"); else the first letter named.
     """
     text = text or ""
@@ -104,18 +112,21 @@ class ChatJudge:
         self._client = httpx.Client(timeout=httpx.Timeout(timeout), headers=headers,
                                     limits=httpx.Limits(max_connections=max(1, concurrency)))
 
-    def ask(self, criterion: str, prompt: str, response_a: str, response_b: str) -> str:
+    def ask(self, criterion: str, prompt: str, response_a: str, response_b: str) -> JudgeAnswer:
         """The judge's raw answer to one comparison."""
         message = TEMPLATES[criterion].format(prompt=prompt, response_a=response_a, response_b=response_b)
         answer = self._post({"model": self.model, "temperature": 0, "max_tokens": self.max_tokens,
                              "messages": [{"role": "system", "content": SYSTEM_PROMPT},
                                           {"role": "user", "content": message}]})
         try:
-            content = answer["choices"][0]["message"]["content"]
+            choice = answer["choices"][0]
+            content = choice["message"]["content"]
         except (KeyError, IndexError, TypeError):
             raise JudgeError(f"judge {self.url}/chat/completions: no choices[0].message.content in the answer "
                              f"({json.dumps(answer)[:120]})") from None
-        return content if isinstance(content, str) else ""
+        raw = JudgeAnswer(content if isinstance(content, str) else "")
+        raw.truncated = isinstance(choice, dict) and choice.get("finish_reason") == "length"
+        return raw
 
     def _post(self, payload: dict) -> dict:
         import httpx
@@ -155,5 +166,5 @@ def _error_text(response) -> str:
     return str(message).strip().splitlines()[0][:200] if str(message).strip() else response_detail(response)
 
 
-__all__ = ["ChatJudge", "JudgeError", "SYSTEM_PROMPT", "TEMPLATES", "api_key_from_env", "judgment_key",
+__all__ = ["ChatJudge", "JudgeAnswer", "JudgeError", "SYSTEM_PROMPT", "TEMPLATES", "api_key_from_env", "judgment_key",
            "parse_verdict"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from esrl.atomic_files import write_with
+
 
 def plot(ratings: dict[str, dict[str, dict[str, float]]], path: Path) -> Path:
     import matplotlib
@@ -29,7 +31,7 @@ def plot(ratings: dict[str, dict[str, dict[str, float]]], path: Path) -> Path:
     ax.legend(fontsize="small")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    write_with(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
     plt.close(fig)
     return path
 

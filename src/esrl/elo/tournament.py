@@ -49,22 +49,33 @@ def schedule(t: Tournament, criteria: list[str], judge_model: str) -> list[Match
 def judge_missing(matches: list[Match], t: Tournament, cache: JudgmentCache, judge: Any, judge_model: str,
                   concurrency: int = 4, progress: Callable[[int, int], None] | None = None) -> dict[str, int]:
     """Ask the judge every judgment the cache lacks (each distinct question once), saving each answer as it
-    arrives; a cached answer that named neither response is asked again (a judge cut off by --max-tokens, then
-    fixed, kept its unreadable answers as ties for good). judge.ask(criterion, prompt, response_a, response_b) ->
-    the judge's raw answer; progress(done, to_do) is called before the first request and after each answer."""
+    arrives. Asked again: a cached answer that named neither response, and one that max_tokens cut off when the judge
+    now has more (a judge cut off by --max-tokens, then given more, kept its cut answers for good).
+    judge.ask(criterion, prompt, response_a, response_b) -> the judge's raw answer (a JudgeAnswer says whether it
+    was cut off); progress(done, to_do) is called before the first request and after each answer."""
+    max_tokens = getattr(judge, "max_tokens", None)
+
+    def stale(record: dict) -> bool:
+        cut = record.get("truncated") and max_tokens is not None and (record.get("max_tokens") or 0) < max_tokens
+        return parse_verdict(record["raw"]) is None or bool(cut)
+
     todo: dict[str, Match] = {}
     for m in matches:
-        if m.key is not None and (m.key not in cache or parse_verdict(cache[m.key]["raw"]) is None):
+        if m.key is not None and (m.key not in cache or stale(cache[m.key])):
             todo.setdefault(m.key, m)
     distinct = {m.key for m in matches if m.key is not None}
     counts = {"total": len(distinct), "cached": len(distinct) - len(todo), "queried": 0,
               "identical": sum(m.key is None for m in matches)}
 
+    saved: set[Future] = set()
+
     def save(future: Future, m: Match) -> None:
         raw = future.result()
         cache.add({"key": m.key, "judge_model": judge_model, "criterion": m.criterion,
                    "prompt_id": t.prompt_ids[m.prompt], "model_a": m.first, "model_b": m.second,
-                   "verdict": parse_verdict(raw), "raw": raw})
+                   "verdict": parse_verdict(raw), "raw": str(raw), "truncated": bool(getattr(raw, "truncated", False)),
+                   "max_tokens": max_tokens})
+        saved.add(future)
         counts["queried"] += 1
         if progress:
             progress(counts["queried"], len(todo))
@@ -82,7 +93,7 @@ def judge_missing(matches: list[Match], t: Tournament, cache: JudgmentCache, jud
             future.cancel()
         pool.shutdown(wait=True)
         for future, m in futures.items():  # keep what finished while the others were stopped
-            if future.done() and not future.cancelled() and future.exception() is None and m.key not in cache:
+            if future.done() and not future.cancelled() and future.exception() is None and future not in saved:
                 save(future, m)
         if isinstance(e, JudgeError):
             raise JudgeError(f"{e} ({len(cache.entries)} judgments are saved in {cache.path}: run the same "

@@ -19,11 +19,14 @@ class ESConfig:
     sigma: float = 0.001
     """Noise scale of the perturbations theta + sigma * eps."""
     alpha: float = 5e-4
-    """Learning rate: theta += alpha * (1/N) sum z_i eps_i (the paper folds 1/sigma into alpha)."""
+    """Learning rate: theta += alpha * (1/N) sum z_i eps_i (the paper folds 1/sigma into alpha), with plain SGD and
+    `sigma_scaling: global`; `rms` scales each tensor's step by its RMS as it scales the noise, and `momentum` or
+    `optimizer: adam` take that estimate as their gradient."""
     antithetic: bool = False
     """Members (2k, 2k+1) share noise with opposite signs (mirrored sampling)."""
     shaping: Literal["zscore", "centered_rank", "raw"] = "zscore"
-    """Fitness shaping: z-score as in the paper, tie-safe centered rank, or raw rewards."""
+    """Fitness shaping: z-score as in the paper, tie-safe centered rank, or raw rewards (not centered: equal rewards
+    r move the weights by alpha * r * mean(eps))."""
     mode: str = "full"
     """Noise mode, a name registered in esrl.es.modes.MODES: `full` Gaussian noise on whole tensors, member by member (the paper's algorithm); `lowrank`
     rank-r noise sigma A B^T / sqrt(r) on every perturbed nn.Linear weight (EGGROLL), the whole population in
@@ -79,6 +82,8 @@ class ESConfig:
         require(not self.antithetic or self.population_size % 2 == 0, "model.es.population_size",
                 f"antithetic sampling needs an even population, got {self.population_size}")
         require(self.checksum_every >= 0, "model.es.checksum_every", "must be >= 0")
+        require(self.shaping in ("zscore", "centered_rank", "raw"), "model.es.shaping",
+                f"choose zscore, centered_rank or raw, got {self.shaping!r}")
         require(self.mode in MODES, "model.es.mode", f"choose {', '.join(MODES)}, got {self.mode!r}")
         require(self.sigma_scaling in ("global", "rms"), "model.es.sigma_scaling",
                 f"choose global or rms, got {self.sigma_scaling!r}")

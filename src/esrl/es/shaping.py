@@ -10,8 +10,11 @@ Shaping = Literal["zscore", "centered_rank", "raw"]
 
 
 def zscore(fitness: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(f - mean) / (std + eps) with the population std, as the paper's code does (all equal -> zeros)."""
+    """(f - mean) / (std + eps) with the population std, as the paper's code does. All equal: zeros, exactly (the
+    mean of equal values can be off by a rounding step, which the tiny std would turn into a random update)."""
     f = fitness.double()
+    if f.numel() == 0 or bool(f.max() == f.min()):
+        return torch.zeros_like(f)
     return (f - f.mean()) / (f.std(unbiased=False) + eps)
 
 

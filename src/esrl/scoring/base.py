@@ -21,8 +21,9 @@ def _finite(v: int | float) -> bool:
         return False
 
 
-def check_scores(rewards: Any, costs: Any, n: int, source: str) -> tuple[list[float], list[float]]:
-    """Two lists of n finite numbers, or ScorerError naming `source` and what was wrong."""
+def check_scores(rewards: Any, costs: Any, n: int, source: str, offset: int = 0) -> tuple[list[float], list[float]]:
+    """Two lists of n finite numbers, or ScorerError naming `source` and what was wrong (an item by its place in the
+    whole batch: `offset` is this answer's first item there)."""
     out = []
     for name, values in (("rewards", rewards), ("costs", costs)):
         if not isinstance(values, (list, tuple)):
@@ -31,9 +32,9 @@ def check_scores(rewards: Any, costs: Any, n: int, source: str) -> tuple[list[fl
             raise ScorerError(f"{source}: {len(values)} {name} for {n} responses")
         for i, v in enumerate(values):
             if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ScorerError(f"{source}: {name}[{i}] is not a number ({v!r:.40})")
+                raise ScorerError(f"{source}: {name}[{offset + i}] is not a number ({v!r:.40})")
             if not _finite(v):
-                raise ScorerError(f"{source}: {name}[{i}] is not finite ({v})")
+                raise ScorerError(f"{source}: {name}[{offset + i}] is not finite ({v})")
         out.append([float(v) for v in values])
     return out[0], out[1]
 

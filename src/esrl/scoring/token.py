@@ -91,9 +91,16 @@ def server_token(token: str | None, token_file: str | None, no_token: bool, host
     if file:
         path = Path(file).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(new + "\n")
+        # written whole beside it, then linked into place (fails as O_EXCL would if it exists): a kill or a full disk
+        # mid-write once left an empty token file that every later start and client refused
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(new + "\n")
+            os.link(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
         print(f"esrl serve-scorer: wrote a new token to {path} (clients: {ENV_FILE}={path})", file=sys.stderr)
     else:
         print(f"esrl serve-scorer: token {new} (clients send 'Authorization: Bearer TOKEN'; esrl reads it from "

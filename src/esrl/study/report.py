@@ -9,6 +9,7 @@ from statistics import fmean
 from typing import Any
 
 from esrl.analysis.common import write_json
+from esrl.atomic_files import write_text
 from esrl.study import plots
 from esrl.study.analyses import cosine_classes, run_point, unembedding_share
 from esrl.study.config import StudyConfig
@@ -81,8 +82,7 @@ def write_report(study: StudyConfig, runs: list[Run], wall_s: float | None = Non
         summary["analyses"][point] = _analyses_section(lines, study, point, found, members, out)
     write_json(out / "summary.json", summary)
     path = out / "report.md"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_text(path, "\n".join(lines) + "\n")
 
 
 def _copy_png(json_path: Path, out: Path, name: str) -> str:

@@ -25,6 +25,16 @@ def completion_text(completion: Any) -> str:
     raise TypeError(f"unsupported completion format: {type(completion).__name__}")
 
 
+def prompt_text(prompt: Prompt) -> str:
+    """A prompt as a person (or a judge) reads it: raw text as it is; a chat's one message as its content, several
+    as `role: content` paragraphs (what samples.csv and `esrl elo` show, not a Python list)."""
+    if isinstance(prompt, str):
+        return prompt
+    if len(prompt) == 1:
+        return str(prompt[0].get("content", ""))
+    return "\n\n".join(f"{m.get('role', '?')}: {m.get('content', '')}" for m in prompt)
+
+
 def _where(func: Any) -> str:
     """A function as its import path names it (`package.module:function`, as data.task_args.reward_funcs takes it)."""
     module, name = getattr(func, "__module__", None), getattr(func, "__qualname__", None)

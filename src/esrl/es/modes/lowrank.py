@@ -209,6 +209,7 @@ class PopulationPerturbation(PopulationHooks):
         linear: dict[int, dict[str, torch.Tensor]] = {}  # id(module) -> {"A", "B", "bias"}
         other: dict[int, dict[str, torch.Tensor]] = {}  # id(module) -> {attr: (M, dim) member weights}
         modules: dict[int, torch.nn.Module] = {}
+        names: dict[int, str] = {}  # id(module) -> its name, for the error below
         for j, name, p in self.selection:
             generator = generator_on(p.device, generator)
             if p.dim() == 2:
@@ -226,10 +227,12 @@ class PopulationPerturbation(PopulationHooks):
                     linear.setdefault(id(module), {})["bias"] = weights - p
                 else:
                     other.setdefault(id(module), {})[attr] = weights
+                    names[id(module)] = name.rpartition(".")[0]
         for key, factors in linear.items():
             self._handles.append(modules[key].register_forward_hook(self._linear_hook(factors)))
         for key, weights in other.items():
-            self._handles.append(modules[key].register_forward_hook(self._vector_hook(weights), with_kwargs=True))
+            self._handles.append(modules[key].register_forward_hook(self._vector_hook(weights, names[key]),
+                                                                    with_kwargs=True))
 
     def _linear_hook(self, factors: dict[str, torch.Tensor]):
         a, b, bias = factors.get("A"), factors.get("B"), factors.get("bias")
@@ -256,7 +259,7 @@ class PopulationPerturbation(PopulationHooks):
 
         return hook
 
-    def _vector_hook(self, weights: dict[str, torch.Tensor]):
+    def _vector_hook(self, weights: dict[str, torch.Tensor], name: str):
         def hook(module, args, kwargs, out):
             if self._inside:  # the re-run below calls the module again
                 return None
@@ -267,6 +270,10 @@ class PopulationPerturbation(PopulationHooks):
             self._inside = True
             try:
                 return torch.func.functional_call(module, params, args, kwargs)
+            except RuntimeError as e:  # e.g. nn.LayerNorm: F.layer_norm takes one weight, not one per row
+                raise ConfigError(f"model.es.lowrank_vectors: full cannot perturb {', '.join(weights)} of {name} "
+                                  f"({type(module).__name__}), which takes one weight, not one per batch row "
+                                  f"({str(e)[:120]}); use lowrank_vectors: frozen, or model.es.exclude") from None
             finally:
                 self._inside = False
 
