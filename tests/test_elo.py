@@ -149,6 +149,7 @@ def test_bootstrap_is_seeded_and_brackets_the_rating():
     # a leading letter followed by a comma, a semicolon, a bracket or a dash was once a tie (the other letter named)
     ("B, since A repeats the same mistake.", "B"), ("B (A is equally fluent but unsafe)", "B"),
     ("B - A is equally long but wrong", "B"), ("A; B is equally long but wrong", "A"),
+    ("Both A and B are fine.", "tie"),
 ])
 def test_parse_verdict(text, verdict):
     assert parse_verdict(text) == verdict
@@ -256,6 +257,36 @@ def test_an_answer_max_tokens_cut_off_is_asked_again_once_the_judge_has_more(tmp
     more = run(args, judge=Cut(64))
     assert more["judgments"]["queried"] == 6 and more["ratings"]["overall"]["es"]["wins"] == 3  # es's, both orders
     assert run(args, judge=Cut(64))["judgments"]["queried"] == 0
+
+
+def test_a_comparison_past_the_judges_context_is_a_tie_not_the_end_of_the_tournament(tmp_path):
+    """vLLM answers 400 "maximum context length" for one pair: that pair is a tie, said in the summary, the rest
+    judged; a rerun asks only it again."""
+    import httpx
+    from esrl.elo.judge import PromptTooLong
+
+    long_one = COMPLETIONS["base"][1]
+
+    def handler(request):
+        if long_one in json.loads(request.content)["messages"][1]["content"]:
+            return httpx.Response(400, json={"error": {"message": "This model's maximum context length is 2048 "
+                                                                  "tokens. However, you requested 2100 tokens."}})
+        return httpx.Response(200, json={"choices": [{"message": {"content": "A"}, "finish_reason": "stop"}]})
+
+    def judge():
+        chat = ChatJudge("http://judge.test/v1", "judge", retries=0)
+        chat._client = httpx.Client(transport=httpx.MockTransport(handler))
+        return chat
+
+    with pytest.raises(PromptTooLong, match="maximum context length"):
+        judge().ask("helpfulness", "p", long_one, "b")
+    specs = write_files(tmp_path / "files")
+    args = elo_args("http://judge.test/v1", specs, tmp_path / "out", "--criteria", "helpfulness")
+    summary = run(args, judge=judge())
+    assert summary["judgments"]["too_long"] == summary["judgments"]["unparsed"] == 4  # base vs es and grpo, 2 orders
+    assert summary["judgments"]["queried"] == 18
+    again = run(args, judge=judge())
+    assert again["judgments"]["queried"] == 4 and again["judgments"]["too_long"] == 4
 
 
 def test_malformed_line_is_one_error_naming_file_and_line(tmp_path):

@@ -112,8 +112,9 @@ def run(args: argparse.Namespace, judge: Any = None) -> dict[str, Any]:
     write_text(out / "ratings.json", json.dumps(summary, indent=2, allow_nan=False) + "\n")
     plot(ratings, out / "ratings.png")
     print_table(summary)
+    too_long = f", {counts['too_long']} of them past the judge's context" if counts["too_long"] else ""
     print(f"judgments: {counts['total']} distinct, {counts['cached']} cached, {counts['queried']} queried, "
-          f"{counts['identical']} identical (ties), {counts['unparsed']} unparsed (ties); "
+          f"{counts['identical']} identical (ties), {counts['unparsed']} unparsed (ties{too_long}); "
           f"judge picked the first response in {_percent(counts['first_position_rate'])} of its picks")
     print(f"esrl elo: wrote judgments.jsonl, ratings.json and ratings.png to {out}")
     return summary

@@ -45,7 +45,7 @@ TEMPLATES = {
 _LETTER = re.compile(r"(?<![A-Za-z0-9])(A|B)(?![A-Za-z0-9])")
 _ALONE = re.compile(r"^\W*(A|B)(?:\W*(?:$|[.:)\n,;])|\s+[-(])")
 _BETTER = re.compile(r"(?<![A-Za-z0-9])(A|B) is (?:better|more|clearer|safer|preferable|preferred)")
-_TIE = re.compile(r"\b(tie|tied|equal|equally|neither|same)\b", re.IGNORECASE)
+_TIE = re.compile(r"\b(tie|tied|equal|equally|neither|same|both)\b", re.IGNORECASE)
 
 
 class JudgeAnswer(str):
@@ -53,10 +53,23 @@ class JudgeAnswer(str):
     read as a verdict ("Response A is"), so a rerun with a larger --max-tokens asks it again."""
 
     truncated: bool = False
+    too_long: str = ""
+    """The endpoint's refusal when the comparison did not fit the judge's context (no answer: a tie)."""
 
 
 class JudgeError(EsrlError, RuntimeError):
     """The judge endpoint could not be reached or gave an unusable answer; the message names the URL."""
+
+
+class PromptTooLong(JudgeError):
+    """The endpoint refused one comparison as longer than the judge's context (HTTP 400): that pair's own problem,
+    not the tournament's."""
+
+
+def _too_long(status: int, text: str) -> bool:
+    """vLLM's and OpenAI's 400 for a prompt past the context ("maximum context length", context_length_exceeded)."""
+    text = text.lower()
+    return status == 400 and ("context length" in text or "context_length" in text or "context window" in text)
 
 
 def parse_verdict(text: str) -> str | None:
@@ -145,7 +158,8 @@ class ChatJudge:
                 cause = f"HTTP {response.status_code} {_error_text(response)}"
                 continue
             if response.status_code >= 400:
-                raise JudgeError(f"judge {url}: HTTP {response.status_code} {_error_text(response)}")
+                error = PromptTooLong if _too_long(response.status_code, response.text) else JudgeError
+                raise error(f"judge {url}: HTTP {response.status_code} {_error_text(response)}")
             try:
                 return response.json()
             except ValueError:
@@ -166,5 +180,5 @@ def _error_text(response) -> str:
     return str(message).strip().splitlines()[0][:200] if str(message).strip() else response_detail(response)
 
 
-__all__ = ["ChatJudge", "JudgeAnswer", "JudgeError", "SYSTEM_PROMPT", "TEMPLATES", "api_key_from_env", "judgment_key",
+__all__ = ["ChatJudge", "JudgeAnswer", "JudgeError", "PromptTooLong", "SYSTEM_PROMPT", "TEMPLATES", "api_key_from_env", "judgment_key",
            "parse_verdict"]

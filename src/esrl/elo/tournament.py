@@ -16,7 +16,7 @@ import numpy as np
 
 from esrl.elo.cache import JudgmentCache
 from esrl.elo.files import Tournament
-from esrl.elo.judge import JudgeError, judgment_key, parse_verdict
+from esrl.elo.judge import JudgeAnswer, JudgeError, PromptTooLong, judgment_key, parse_verdict
 from esrl.elo.rating import bootstrap_ratings
 
 POINTS = {"A": 1.0, "B": 0.0, "tie": 0.5, None: 0.5}  # points of the response shown as A
@@ -69,12 +69,22 @@ def judge_missing(matches: list[Match], t: Tournament, cache: JudgmentCache, jud
 
     saved: set[Future] = set()
 
+    def ask(m: Match) -> str:
+        """The judge's answer; a comparison past its context is no answer (a tie), said in the record, not an end."""
+        try:
+            return judge.ask(m.criterion, t.prompts[m.prompt], t.completions[m.first][m.prompt],
+                             t.completions[m.second][m.prompt])
+        except PromptTooLong as e:
+            answer = JudgeAnswer("")
+            answer.too_long = str(e)
+            return answer
+
     def save(future: Future, m: Match) -> None:
         raw = future.result()
         cache.add({"key": m.key, "judge_model": judge_model, "criterion": m.criterion,
                    "prompt_id": t.prompt_ids[m.prompt], "model_a": m.first, "model_b": m.second,
                    "verdict": parse_verdict(raw), "raw": str(raw), "truncated": bool(getattr(raw, "truncated", False)),
-                   "max_tokens": max_tokens})
+                   "max_tokens": max_tokens, **({"too_long": raw.too_long} if getattr(raw, "too_long", "") else {})})
         saved.add(future)
         counts["queried"] += 1
         if progress:
@@ -83,8 +93,7 @@ def judge_missing(matches: list[Match], t: Tournament, cache: JudgmentCache, jud
     if progress:
         progress(0, len(todo))
     pool = ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="esrl-judge")
-    futures = {pool.submit(judge.ask, m.criterion, t.prompts[m.prompt], t.completions[m.first][m.prompt],
-                           t.completions[m.second][m.prompt]): m for m in todo.values()}
+    futures = {pool.submit(ask, m): m for m in todo.values()}
     try:
         for future in as_completed(futures):
             save(future, futures[future])
@@ -156,10 +165,12 @@ def rate(wins: np.ndarray, models: list[str], criteria: list[str], rounds: int, 
 
 
 def judge_stats(matches: list[Match], cache: JudgmentCache) -> dict[str, Any]:
-    """Unparsed answers (counted as ties) and how often the judge picked the response shown first."""
+    """Unparsed answers (counted as ties; `too_long` of them past the judge's context) and how often the judge picked
+    the response shown first."""
     verdicts = [verdict(m, cache) for m in matches if m.key is not None]
     picks = [v for v in verdicts if v in ("A", "B")]
-    return {"unparsed": sum(v is None for v in verdicts),
+    keys = {m.key for m in matches if m.key is not None}
+    return {"unparsed": sum(v is None for v in verdicts), "too_long": sum(bool(cache[k].get("too_long")) for k in keys),
             "first_position_rate": round(picks.count("A") / len(picks), 4) if picks else None}
 
 
