@@ -180,5 +180,6 @@ def _error_text(response) -> str:
     return str(message).strip().splitlines()[0][:200] if str(message).strip() else response_detail(response)
 
 
-__all__ = ["ChatJudge", "JudgeAnswer", "JudgeError", "PromptTooLong", "SYSTEM_PROMPT", "TEMPLATES", "api_key_from_env", "judgment_key",
+__all__ = ["ChatJudge", "JudgeAnswer", "JudgeError", "PromptTooLong", "SYSTEM_PROMPT", "TEMPLATES", "api_key_from_env",
+           "judgment_key",
            "parse_verdict"]
