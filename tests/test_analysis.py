@@ -172,6 +172,8 @@ def test_bad_flags_are_one_error_before_any_model_loads(tiny_model, tmp_path, mo
 
 @pytest.mark.parametrize("argv, message", [
     (["all", "--alphas", "0,0.5"], r"^--alphas must include 0 and 1"),
+    (["connectivity", "--alphas", "0,0.5,nan,1"], r"^--alphas must lie in \[0, 1\]"),
+    (["connectivity", "--alphas", "0,1,1.5"], r"^--alphas must lie in \[0, 1\]"),
     (["all", "--temperature", "0"], r"^--coverage-sigma and --temperature must be finite and > 0"),
     (["robustness", "connectivity", "--sigmas", "0,inf"], r"^--sigmas must be finite non-negative numbers"),
     (["robustness", "similarity", "--no-base"], r"^similarity needs --base"),
@@ -189,6 +191,20 @@ def test_every_selected_analysis_checks_its_flags_before_any_model_loads(tiny_mo
     with pytest.raises(EsrlError, match=message):
         main([*(a for a in argv if a != "--no-base"), *base, "--models", f"run={tiny_model}", "--out",
               str(tmp_path / "out"), "--no-progress"])
+
+
+def test_a_run_folder_with_an_equals_sign_is_a_path_and_a_label_before_it_still_names_it(tiny_model, tmp_path):
+    """esrl study's runs/es_seed=0 and esrl sweep's sigma=0.01 folders were read as LABEL=PATH ("model '0': no such
+    folder")."""
+    import shutil
+
+    from esrl.analysis.cli import resolve_model
+
+    run = tmp_path / "runs" / "es_seed=0"
+    shutil.copytree(tiny_model, run / "lightning_logs" / "version_0" / "final")
+    assert resolve_model(str(run), 0).label == "es_seed=0/version_0"
+    assert resolve_model(f"es={run}", 0).label == "es"
+    assert resolve_model(f"es={run}", 0).path == resolve_model(str(run), 0).path
 
 
 def test_out_that_is_a_file_is_one_line_and_exit_2(tiny_model, tmp_path):

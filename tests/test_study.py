@@ -143,6 +143,23 @@ def test_rerun_skips_finished_runs_and_resumes_an_interrupted_one(study, capsys)
     assert {g["algorithm"]: len(g["seeds"]) for g in summary["groups"]} == {"es": 2, "grpo": 2}
 
 
+def test_a_rerun_of_an_edited_study_refuses_runs_finished_under_the_old_settings(study, tmp_path):
+    """trainer.max_steps changed after the runs finished: they were skipped as done and reported under the new
+    settings. Now one line naming a run and the setting, before anything runs or is written."""
+    import yaml
+    from esrl.study.cli import main
+    from esrl.study.cli import StudyError
+
+    edited = yaml.safe_load(study.read_text())
+    edited.update(base_config=str(study.parent / "base.yaml"), overrides={"trainer.max_steps": 2})
+    (tmp_path / "edited.yaml").write_text(yaml.safe_dump(edited))
+    report = (study.parent / "out" / "report.md").read_text()
+    with pytest.raises(StudyError, match=r"es_seed=0 finished with other settings than the study now gives "
+                                         r"\(trainer.max_steps: 1 there, 2 now\)"):
+        main([str(tmp_path / "edited.yaml")])
+    assert (study.parent / "out" / "report.md").read_text() == report
+
+
 def test_slurm_array_task_runs_its_run_then_writes_the_report(study):
     """slurm/sweep.sbatch with ESRL_TOOL=study as SLURM runs array task 3 (no SLURM here: the script runs under
     bash with the array index set): its run (finished: skipped), then the report, since every run is done."""

@@ -28,6 +28,13 @@ pytestmark = pytest.mark.slow
     ({"seeds": 0}, "seeds: expected a list, got 0"),
     ({"checkpoint_every_n_steps": "2"}, "checkpoint_every_n_steps: expected an integer, got '2'"),
     ({"analysis": {"analyses": "similarity"}}, "analysis.analyses: expected a list, got 'similarity'"),
+    # set by the study: a grid of seed_everything gave points in their own folders that ran one config
+    ({"grid": {"seed_everything": [1, 2]}}, "grid.seed_everything: 'seed_everything' is set by the study (seeds)"),
+    ({"overrides": {"trainer.default_root_dir": "x"}}, "overrides.trainer.default_root_dir: 'trainer.default_root_"),
+    ({"overrides": {"model.es.seed": 3}}, "overrides: model.es.seed is fixed, so every seed of the study would draw"),
+    # analysis settings that failed only in the report, after every fit
+    ({"analysis": {"alphas": [0, 0.5, 1, 1.5]}}, "analysis.alphas: must lie in [0, 1] and include both"),
+    ({"analysis": {"sigmas": [0, -1]}}, "analysis.sigmas: must be finite non-negative numbers"),
 ])
 def test_bad_study_file_is_one_line_before_any_run(tiny_model, tmp_path, change, message):
     from esrl.errors import ConfigError

@@ -141,3 +141,33 @@ def test_a_bad_reward_count_missing_from_an_evaluation_counts_as_zero(tmp_path):
     assert group["bad_rewards"]["values"] == [0.0, 0.0, 6.0] and _fmt(group["bad_rewards"], 3).startswith("2 ± ")
     assert group["sampled/bad_rewards"]["values"] == [0.0, 0.0, 3.0]
     assert group["reward"]["n"] == 3
+
+
+def test_t95_beyond_the_table_follows_the_t_distribution_not_the_normal():
+    """Reference quantiles of Student's t (two-sided 95%); past 30 degrees of freedom t95 once gave 1.96."""
+    from esrl.study.results import t95
+
+    for df, exact in ((30, 2.042), (31, 2.0395), (40, 2.0211), (60, 2.0003), (120, 1.9799), (10_000, 1.9602)):
+        assert t95(df) == pytest.approx(exact, abs=1e-4), df
+    assert all(t95(df) > t95(df + 1) for df in range(1, 200))
+
+
+def test_connectivity_pairs_the_runs_of_one_seed_when_a_run_failed(tmp_path, monkeypatch):
+    """es seed 0 failed: connectivity "seed=1" compared es seed 1 with grpo seed 0 (runs paired by position)."""
+    from esrl.study import analyses
+    from esrl.study.results import RunResult
+
+    algorithms = [AlgorithmSpec("es", "es"), AlgorithmSpec("grpo", "grpo")]
+    study = StudyConfig(base_config="base.yaml", algorithms=algorithms, out=str(tmp_path / "out"), seeds=[0, 1],
+                        analysis=AnalysisSettings(analyses=["connectivity", "robustness"], connectivity_seeds=2,
+                                                  robustness_seeds=1))
+    runs = {(r.algorithm.label, r.seed): r for r in plan(study)}
+    done = lambda key: RunResult(runs[key], [{"step": 0, "reward": 0.0}], {}, tmp_path / "final")  # noqa: E731
+    members = {"es": [done(("es", 1))], "grpo": [done(("grpo", 0)), done(("grpo", 1))]}
+    calls = []
+    monkeypatch.setattr(analyses, "_analyze", lambda name, study, config, models, out: calls.append(
+        (name, out.name, [(m.run.algorithm.label, m.run.seed) for m in models])) or out)
+    analyses.run_point(study, "", members, {})
+    assert calls == [("connectivity", "connectivity_seed=0", [("grpo", 0)]),
+                     ("connectivity", "connectivity_seed=1", [("es", 1), ("grpo", 1)]),
+                     ("robustness", "robustness", [("grpo", 0)])]

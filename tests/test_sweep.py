@@ -3,8 +3,11 @@ and tables are tested on real runs in test_analysis.py)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from conftest import run_esrl, write_tiny_config
+from esrl.sweep import SweepError
 
 
 @pytest.fixture
@@ -34,6 +37,23 @@ def test_a_table_name_with_a_folder_is_refused_before_any_run(config, tmp_path):
                    "--name", "sub/x")
     assert refused(out, tmp_path) == ("esrl sweep: error: --name 'sub/x': a file name without a folder (the tables "
                                       "are OUT/NAME.csv, .md)")
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--grid", "model.es.sigma=0.005,0.01", "--", "--model.es.sigma", "0.02"],
+     "--grid model.es.sigma: also given after -- (--model.es.sigma), which would set it for every run"),
+    (["--grid", "model.es.sigma=0.005,0.01", "--", "--model.es.sigma=0.02"],
+     "--grid model.es.sigma: also given after -- (--model.es.sigma=0.02), which would set it for every run"),
+    (["--grid", "trainer.default_root_dir=a,b"],
+     "--grid trainer.default_root_dir: set by the sweep (--out, --config)"),
+])
+def test_a_grid_key_the_flags_after_the_dashes_would_override_is_refused(config, tmp_path, args, message):
+    """The flags after -- come later in each run's command: every point ran at 0.02, its row labelled 0.005."""
+    from esrl.sweep import main
+
+    with pytest.raises(SweepError, match=re.escape(message)):
+        main(["--config", str(config), "--out", str(tmp_path / "sweep"), *args])
+    assert not (tmp_path / "sweep").exists()
 
 
 def test_out_that_cannot_be_a_folder_is_refused(config, tmp_path):

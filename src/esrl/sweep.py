@@ -53,6 +53,8 @@ def parse_grid(items: list[str]) -> dict[str, list[str]]:
             raise SweepError(f"--grid {item!r}: expected KEY=V1,V2,... (e.g. model.es.sigma=0.005,0.01)")
         if key in grid:
             raise SweepError(f"--grid: key {key!r} given twice")
+        if key in ("trainer.default_root_dir", "config"):
+            raise SweepError(f"--grid {key}: set by the sweep (--out, --config), not by the grid")
         grid[key] = vals
     if not grid:
         raise SweepError("no --grid given")
@@ -60,6 +62,18 @@ def parse_grid(items: list[str]) -> dict[str, list[str]]:
     if clash:
         raise SweepError(f"--grid {clash}")
     return grid
+
+
+def check_extra(extra: list[str], grid: dict[str, list[str]]) -> None:
+    """The flags after `--` come after the grid's in each run's command, so one naming a grid key would win over
+    the grid (every point run with it, the table labelled with the grid's values), and the run's own root wins over
+    a --trainer.default_root_dir: both refused."""
+    for flag in extra:
+        key = flag.partition("=")[0].removeprefix("--") if flag.startswith("--") else None
+        if key in grid:
+            raise SweepError(f"--grid {key}: also given after -- ({flag}), which would set it for every run")
+        if key == "trainer.default_root_dir":
+            raise SweepError(f"{flag} after --: each run's folder is under --out")
 
 
 def _config_keys(node: dict[str, Any], prefix: str = "") -> list[str]:
@@ -305,6 +319,7 @@ def _main(argv: list[str] | None, fits: Fits) -> list[dict[str, Any]]:
     if not args.name or Path(args.name).name != args.name or args.name in (".", ".."):  # found after every run
         raise SweepError(f"--name {args.name!r}: a file name without a folder (the tables are OUT/NAME.csv, .md)")
     grid = parse_grid(args.grid)
+    check_extra(extra, grid)
     combos = combinations(grid)
     if args.count:
         print(len(combos))

@@ -22,6 +22,7 @@ from esrl.analysis.common import AnalysisError, Context, ModelRef, RewardEvaluat
 from esrl.checkpoints import check_root_dir
 from esrl.config_files import load_yaml
 from esrl.errors import ConfigError
+from esrl.labels import split_label
 from esrl.needs import checked_device
 
 ANALYSES = {"robustness": robustness, "connectivity": connectivity, "similarity": similarity,
@@ -73,9 +74,7 @@ def resolve_model(spec: str, index: int) -> ModelRef:
     """`[LABEL=]PATH` -> ModelRef; a run folder (or its lightning_logs) resolves to its single final/."""
     from esrl.models.loading import EMBEDDED_MODELS
 
-    label, sep, path = spec.partition("=")
-    if not sep:
-        label, path = "", spec
+    label, path = split_label(spec)
     if path in EMBEDDED_MODELS:
         return ModelRef(label or path, path)
     folder = Path(path).expanduser()

@@ -43,7 +43,10 @@ def paths(base: ModelRef | None, models: Sequence[ModelRef]) -> list[tuple[Model
 
 def check(alphas: Sequence[float], base: ModelRef | None, models: Sequence[ModelRef]) -> None:
     """The inputs, before any model loads (esrl.analysis.cli checks every selected analysis first)."""
-    alphas = sorted(set(float(a) for a in alphas))
+    given = [float(a) for a in alphas]
+    if any(not 0.0 <= a <= 1.0 for a in given):  # NaN included (a set of floats with NaN once sorted past the check)
+        raise AnalysisError(f"--alphas must lie in [0, 1], got {given}")
+    alphas = sorted(set(given))
     if len(alphas) < 2 or alphas[0] != 0.0 or alphas[-1] != 1.0:
         raise AnalysisError(f"--alphas must include 0 and 1 (the endpoints), got {alphas}")
     if not paths(base, models):

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from esrl.errors import ConfigError, DataError
+from esrl.labels import split_label
 from esrl.tasks.base import prompt_text
 from esrl.tasks.io import read_jsonl
 
@@ -41,10 +42,8 @@ class Tournament:
 
 def parse_spec(spec: str) -> tuple[str, Path]:
     """`name=path` or `path` (name: the file's stem, or its folder's name for a samples.csv). A path may hold `=`
-    (a study's runs/es_seed=0/samples.csv): the text before the first `=` names a model only when it has no `/`."""
-    name, sep, path = spec.partition("=")
-    if not sep or "/" in name or Path(spec).exists():
-        name, path = "", spec
+    (a study's runs/es_seed=0/samples.csv): esrl.labels.split_label."""
+    name, path = split_label(spec)
     file = Path(path)
     if not name:
         name = file.parent.name if file.stem == "samples" and file.parent.name else file.stem

@@ -92,14 +92,15 @@ def run_point(study: StudyConfig, point: str, members: dict[str, list[RunResult]
     if "similarity" in wanted and every:
         found["similarity"] = [("all", _analyze("similarity", study, config, every, out / "similarity"))]
     if "connectivity" in wanted:
-        for i in range(study.analysis.connectivity_seeds):
-            models = [runs[i] for runs in members.values() if len(runs) > i]
+        for seed in study.seeds[:study.analysis.connectivity_seeds]:  # by seed: a failed run shifts no pairing
+            models = [r for runs in members.values() for r in runs if r.run.seed == seed]
             if models:
-                tag = f"seed={models[0].run.seed}"
+                tag = f"seed={seed}"
                 found.setdefault("connectivity", []).append(
                     (tag, _analyze("connectivity", study, config, models, out / f"connectivity_{tag}")))
     if "robustness" in wanted:
-        models = [r for runs in members.values() for r in runs[:study.analysis.robustness_seeds]]
+        seeds = set(study.seeds[:study.analysis.robustness_seeds])
+        models = [r for runs in members.values() for r in runs if r.run.seed in seeds]
         if models:
             found["robustness"] = [("all", _analyze("robustness", study, config, models, out / "robustness"))]
     return found

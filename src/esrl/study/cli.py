@@ -25,7 +25,7 @@ from esrl.errors import EsrlError
 from esrl.fit_check import check_fit_args
 from esrl.fit_runs import Fits, signals_reach
 from esrl.study.config import load_study
-from esrl.study.runner import fit_line, plan, resolved_config, run_all, status
+from esrl.study.runner import changed_setting, fit_line, plan, resolved_config, run_all, status
 
 
 class StudyError(EsrlError, RuntimeError):
@@ -75,6 +75,11 @@ def _main(argv: list[str] | None, fits: Fits) -> Any:
     if args.index is not None and not 0 <= args.index < len(runs):
         raise StudyError(f"--index {args.index}: the study has {len(runs)} runs (0..{len(runs) - 1})")
     todo = [runs[args.index]] if args.index is not None else runs
+    for run in todo:  # finished under other settings: neither skipped nor reported
+        changed = changed_setting(study, run)
+        if changed:
+            raise StudyError(f"{run.root} finished with other settings than the study now gives ({changed}): move "
+                             "it away to run it again with them, or restore the study file")
     problem = None
     if not (args.report or args.summarize):
         # Every run still to do as its fit checks it (esrl.fit_check), before the first starts: a bad grid value

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -60,7 +61,8 @@ class AnalysisSettings:
     alphas: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     """Connectivity: interpolation grid (must include 0 and 1)."""
     connectivity_seeds: int = 1
-    """Connectivity: the first N seeds; for each, base -> every algorithm and algorithm <-> algorithm."""
+    """Connectivity: the first N seeds; for each, base -> every algorithm and algorithm <-> algorithm (the runs of
+    that seed that finished)."""
     sigmas: list[float] = field(default_factory=lambda: [0.0, 0.002, 0.008])
     """Robustness: perturbation sigmas (absolute noise std per weight)."""
     robustness_draws: int = 1
@@ -121,7 +123,11 @@ class StudyConfig:
         require(not unknown, "analysis.analyses", f"unknown analysis {unknown[:1]}; "
                 "choose from similarity, connectivity, robustness")
         require(s.num_prompts >= 1, "analysis.num_prompts", "must be >= 1")
-        require(0.0 in s.alphas and 1.0 in s.alphas, "analysis.alphas", f"must include 0 and 1, got {s.alphas}")
+        require(all(0.0 <= a <= 1.0 for a in s.alphas) and 0.0 in s.alphas and 1.0 in s.alphas, "analysis.alphas",
+                f"must lie in [0, 1] and include both, got {s.alphas}")
+        require(bool(s.sigmas) and all(0.0 <= x < math.inf for x in s.sigmas), "analysis.sigmas",
+                f"must be finite non-negative numbers, got {s.sigmas}")
+        require(s.max_new_tokens is None or s.max_new_tokens >= 1, "analysis.max_new_tokens", "must be >= 1")
         require(s.connectivity_seeds >= 1 and s.robustness_seeds >= 1 and s.robustness_draws >= 1,
                 "analysis", "connectivity_seeds, robustness_seeds and robustness_draws must be >= 1")
 
@@ -155,14 +161,24 @@ def _dataclass_in(annotation: Any) -> Any:
     return annotation
 
 
+SET_BY_STUDY = {"algo": "algorithms", "ckpt_path": "resume", "seed_everything": "seeds",
+                "trainer.default_root_dir": "out: its runs/ folders"}
+"""Fit keys the study sets for each run; given as a key (a grid of seed_everything once gave points in their own
+folders that ran one config), they are refused."""
+
+
+def check_study_key(key: str, where: str) -> None:
+    """check_key, and not a key the study sets itself."""
+    if key in SET_BY_STUDY:
+        raise ConfigError(f"{where}: {key!r} is set by the study ({SET_BY_STUDY[key]}), not by a key")
+    check_key(key, where)
+
+
 def check_key(key: str, where: str) -> None:
     """A dotted fit-config key (seed_everything, model.es.sigma, data.task_args.path, trainer.max_steps, ...)
     must name a config field; anything below a field that is not a dataclass (a dict, a callback) is free."""
     parts = key.split(".")
-    if parts[0] in ("seed_everything", "algo", "ckpt_path", "optimizer", "lr_scheduler") and len(parts) == 1 or \
-            parts[0] in ("optimizer", "lr_scheduler"):
-        if parts[0] in ("algo", "ckpt_path"):
-            raise ConfigError(f"{where}: {key!r} is set by the study (algorithms, resume), not by a key")
+    if parts[0] in ("optimizer", "lr_scheduler") or key in ("seed_everything", "algo", "ckpt_path"):
         return
     sections = _sections()
     if parts[0] not in sections or len(parts) < 2:
@@ -290,12 +306,20 @@ def load_study(path: str | Path, out: str | None = None, writes: bool = True) ->
         raise ConfigError(f"base_config {study.base_config}: expected a mapping")
     study.base = base
     for key in study.overrides:
-        check_key(key, f"overrides.{key}")
+        check_study_key(key, f"overrides.{key}")
     for key in study.grid:
-        check_key(key, f"grid.{key}")
+        check_study_key(key, f"grid.{key}")
     for a in study.algorithms:
         for key in a.overrides:
-            check_key(key, f"algorithms.{a.label}.overrides.{key}")
+            check_study_key(key, f"algorithms.{a.label}.overrides.{key}")
+    for key in ("model.es.seed", "model.grpo.seed"):  # fixed, every study seed would draw the same noise or samples
+        given = [where for where, value in [("base_config", get_key(base, key, None)),
+                                            ("overrides", study.overrides.get(key)),
+                                            *((f"algorithms.{a.label}.overrides", a.overrides.get(key))
+                                              for a in study.algorithms)] if value is not None]
+        if given or key in study.grid:
+            raise ConfigError(f"{(given or ['grid'])[0]}: {key} is fixed, so every seed of the study would draw the "
+                              "same noise or samples; leave it null (it then follows each run's seed)")
     from esrl.tasks import known_task
 
     tasks = {get_key(base, "data.task", "conciseness"), study.overrides.get("data.task")}

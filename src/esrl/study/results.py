@@ -21,13 +21,22 @@ from esrl.fit_runs import final_dir
 from esrl.study.runner import Run
 from esrl.sweep import hacked
 
-# Two-sided 95% Student t quantiles by degrees of freedom (1..30); 1.96 beyond.
+# Two-sided 95% Student t quantiles by degrees of freedom (1..30).
 _T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
 
 
 def t95(df: int) -> float:
-    return _T95[df - 1] if 1 <= df <= len(_T95) else 1.96
+    """The two-sided 95% Student t quantile: the table up to 30 degrees of freedom, beyond it the Cornish-Fisher
+    expansion around the normal quantile (within 1e-4 of the exact value from 31 on: 2.0395 at 31, 2.0003 at 60;
+    it once jumped to 1.96, intervals 4% too narrow at 32 seeds). No scipy: esrl does not depend on it."""
+    if df < 1:
+        raise ValueError(f"t95 needs at least 1 degree of freedom, got {df}")
+    if df <= len(_T95):
+        return _T95[df - 1]
+    z = 1.959963984540054
+    return (z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+            + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * df ** 3))
 
 
 @dataclass

@@ -112,6 +112,35 @@ def status(run: Run) -> str:
     return "new"
 
 
+def changed_setting(study: StudyConfig, run: Run) -> str | None:
+    """A finished run's first setting that its config.yaml holds otherwise than the study now gives ("key: old
+    there, new now"), else None. A rerun after an edit of the study file once skipped such runs as done and
+    reported them under the new settings."""
+    path = run.root / "config.yaml"
+    if status(run) != "done" or not path.is_file():
+        return None
+    try:
+        old = _leaves(yaml.safe_load(path.read_text()))
+    except yaml.YAMLError:
+        return None
+    new = _leaves(yaml.safe_load(yaml.safe_dump(resolved_config(study, run), sort_keys=False)))
+    for key in sorted(set(old) | set(new) - {"trainer.default_root_dir"}):
+        if old.get(key) != new.get(key):
+            return f"{key}: {old.get(key)!r} there, {new.get(key)!r} now"
+    return None
+
+
+def _leaves(node: Any, prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1}; lists and scalars are leaves."""
+    if not isinstance(node, dict):
+        return {prefix.rstrip("."): node} if prefix else {}
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        out.update(_leaves(value, f"{prefix}{key}.") if isinstance(value, dict) and value else
+                   {f"{prefix}{key}": value})
+    return out
+
+
 def run_one(study: StudyConfig, run: Run, position: str = "", fits: Fits | None = None) -> int:
     """Fit one run unless it is done; resume it from its last checkpoint when it has one. Returns the exit status
     (-1: not started, the study was stopped)."""
