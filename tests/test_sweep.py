@@ -256,3 +256,23 @@ def test_a_sweep_folder_takes_only_its_own_base_config(config, tmp_path, monkeyp
             f"esrl sweep: error: --out {tmp_path / 'sweep'}: holds a sweep of another base config or other flags "
             f"after -- (its grid.json: {config} --trainer.max_steps 1); its finished runs would be reported as this "
             "sweep's: use a new --out")
+
+
+def test_a_copied_version_folder_and_a_cut_returncode_neither_stop_the_summary(tmp_path):
+    """A user's lightning_logs/version_0_old copy ended final_dir and a study's report in int('old'); a returncode
+    file cut short by a kill, the sweep's summary in int('')."""
+    import json
+
+    from esrl.fit_runs import final_dir, version_folders
+    from esrl.sweep import summarize_run
+
+    root = tmp_path / "out" / "sigma=0.1"
+    for version in ("version_0_old", "version_1", "version_10", "version_2"):
+        (root / "lightning_logs" / version / "final").mkdir(parents=True)
+        (root / "lightning_logs" / version / "final" / "config.json").write_text("{}")
+        (root / "lightning_logs" / version / "eval.jsonl").write_text(json.dumps({"step": 0, "reward": 1.0}) + "\n")
+    assert [v.name for v in version_folders(root)] == ["version_1", "version_2", "version_10"]
+    assert final_dir(root) == root / "lightning_logs" / "version_10" / "final"
+    (root / "returncode").write_text("")
+    row = summarize_run(tmp_path / "out", {"sigma": "0.1"})
+    assert row["run_dir"].endswith("version_10") and row["status"] == "ok" and float(row["reward"]) == 1.0, row

@@ -16,10 +16,18 @@ from pathlib import Path
 from esrl.checkpoints import newest_checkpoint, run_checkpoints
 
 
+def version_folders(root: Path) -> list[Path]:
+    """A run's lightning_logs/version_N folders, oldest first (N as a number; a version_0_old copy is not one of
+    them: its name once ended a study's report in a traceback)."""
+    found = [p for p in Path(root).glob("lightning_logs/version_*")
+             if p.is_dir() and p.name.removeprefix("version_").isdigit()]
+    return sorted(found, key=lambda p: int(p.name.removeprefix("version_")))
+
+
 def final_dir(root: Path) -> Path | None:
     """The run's trained model (its newest lightning_logs/version_N/final/), None while it has none."""
-    finals = [p.parent for p in root.glob("lightning_logs/version_*/final/config.json")]
-    return max(finals, key=lambda p: int(p.parent.name.rsplit("_", 1)[-1])) if finals else None
+    finals = [v / "final" for v in version_folders(root) if (v / "final" / "config.json").is_file()]
+    return finals[-1] if finals else None
 
 
 def last_checkpoint(root: Path) -> Path | None:

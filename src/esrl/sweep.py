@@ -32,7 +32,7 @@ from esrl.callbacks.evaluation import evaluation_records
 from esrl.checkpoints import check_root_dir
 from esrl.errors import EsrlError, read_text
 from esrl.fit_check import check_fit_args
-from esrl.fit_runs import Fits, final_dir, last_checkpoint, signals_reach
+from esrl.fit_runs import Fits, final_dir, last_checkpoint, signals_reach, version_folders
 
 # A final evaluation tripping any of these is flagged hacked/degenerate (hacking/* keys of eval.jsonl).
 HACK_THRESHOLDS = {"empty": 0.5, "repetition": 0.5, "cjk_share": 0.3, "special_tokens": 0.5}
@@ -210,15 +210,8 @@ def run_one(config: str, combo: dict[str, str], out: Path, extra: list[str], fit
 
 def latest_run_dir(root: Path) -> Path | None:
     """The newest lightning_logs/version_N holding an eval.jsonl under a run's root."""
-    found = [p.parent for p in root.glob("**/eval.jsonl")]
-    if not found:
-        return None
-
-    def version(p: Path) -> int:
-        m = re.match(r"version_(\d+)$", p.name)
-        return int(m.group(1)) if m else -1
-
-    return max(found, key=lambda p: (version(p), p.stat().st_mtime))
+    found = [v for v in version_folders(root) if (v / "eval.jsonl").is_file()]
+    return found[-1] if found else None
 
 
 def hacked(evaluation: dict[str, Any]) -> list[str]:
@@ -239,7 +232,10 @@ def summarize_run(out: Path, combo: dict[str, str]) -> dict[str, Any]:
     root = out / name
     row: dict[str, Any] = {"run": name, **combo}
     rc_file = root / "returncode"
-    rc = int(rc_file.read_text()) if rc_file.is_file() else None
+    try:
+        rc = int(rc_file.read_text()) if rc_file.is_file() else None
+    except ValueError:  # cut short by a kill or a full disk: as if the fit had not written it
+        rc = None
     run_dir = latest_run_dir(root) if root.is_dir() else None
     evals = []
     if run_dir is not None:

@@ -17,7 +17,7 @@ from statistics import fmean, stdev
 from typing import Any
 
 from esrl.callbacks.evaluation import evaluation_records
-from esrl.fit_runs import final_dir
+from esrl.fit_runs import final_dir, version_folders
 from esrl.study.runner import Run
 from esrl.sweep import hacked
 
@@ -79,11 +79,6 @@ class RunResult:
         return self.evals[-1] if self.evals else {}
 
 
-def _versions(root: Path) -> list[Path]:
-    found = [p for p in (root / "lightning_logs").glob("version_*") if p.is_dir()]
-    return sorted(found, key=lambda p: int(p.name.rsplit("_", 1)[-1]))
-
-
 def _eval_records(version: Path) -> dict[int, dict[str, Any]]:
     path = version / "eval.jsonl"
     records = evaluation_records(path) if path.is_file() else []
@@ -113,7 +108,7 @@ def _merge(per_version: list[dict[int, Any]]) -> dict[int, Any]:
 
 
 def collect(run: Run) -> RunResult:
-    versions = _versions(run.root)[::-1]
+    versions = version_folders(run.root)[::-1]
     evals = _merge([_eval_records(v) for v in versions])
     train = _merge([_train_rewards(v) for v in versions])
     return RunResult(run, [evals[s] for s in sorted(evals)], dict(sorted(train.items())), final_dir(run.root))
