@@ -149,7 +149,7 @@ def test_bootstrap_is_seeded_and_brackets_the_rating():
     # a leading letter followed by a comma, a semicolon, a bracket or a dash was once a tie (the other letter named)
     ("B, since A repeats the same mistake.", "B"), ("B (A is equally fluent but unsafe)", "B"),
     ("B - A is equally long but wrong", "B"), ("A; B is equally long but wrong", "A"),
-    ("Both A and B are fine.", "tie"),
+    ("Both A and B are fine.", "tie"), ("A, B: both equally good", "tie"),
 ])
 def test_parse_verdict(text, verdict):
     assert parse_verdict(text) == verdict
@@ -190,7 +190,7 @@ def test_a_study_runs_samples_csv_with_an_equals_sign_in_its_path_and_an_old_cha
     chat prompts went to it as text holds their Python repr: read as the text, it pairs with a file that has it."""
     import csv
 
-    run_dir = tmp_path / "runs" / "es_seed=0"
+    run_dir = tmp_path / "runs" / "es_seed=0" / "lightning_logs" / "version_0"  # where a run's Evaluation writes it
     run_dir.mkdir(parents=True)
     with (run_dir / "samples.csv").open("w", newline="") as f:
         csv.writer(f).writerows([["step", "prompt", "greedy", "reward", "sample"],

@@ -35,6 +35,7 @@ pytestmark = pytest.mark.slow
     # analysis settings that failed only in the report, after every fit
     ({"analysis": {"alphas": [0, 0.5, 1, 1.5]}}, "analysis.alphas: must lie in [0, 1] and include both"),
     ({"analysis": {"sigmas": [0, -1]}}, "analysis.sigmas: must be finite non-negative numbers"),
+    ({"analysis": {"alphas": [0, "0.5", 1]}}, "analysis.alphas: must lie in [0, 1] and include both"),
 ])
 def test_bad_study_file_is_one_line_before_any_run(tiny_model, tmp_path, change, message):
     from esrl.errors import ConfigError

@@ -171,3 +171,24 @@ def test_connectivity_pairs_the_runs_of_one_seed_when_a_run_failed(tmp_path, mon
     assert calls == [("connectivity", "connectivity_seed=0", [("grpo", 0)]),
                      ("connectivity", "connectivity_seed=1", [("es", 1), ("grpo", 1)]),
                      ("robustness", "robustness", [("grpo", 0)])]
+
+
+def test_a_finished_run_counts_as_changed_by_its_settings_not_by_its_folder_or_checkpointing(tmp_path):
+    """changed_setting: a study folder moved elsewhere, or a new checkpoint_every_n_steps, leaves the runs' results
+    as they were (no refusal); a changed trainer.max_steps does not."""
+    import shutil
+
+    import yaml
+    from esrl.study.runner import changed_setting, resolved_config
+
+    study = one_study(tmp_path / "a", checkpoint_every_n_steps=2, base={"trainer": {"max_steps": 4}})
+    (run,) = plan(study)
+    write_version(run.root, 0, [(0, 0.0)], final=True)
+    (run.root / "config.yaml").write_text(yaml.safe_dump(resolved_config(study, run), sort_keys=False))
+    assert changed_setting(study, run) is None
+    shutil.move(tmp_path / "a", tmp_path / "b")
+    for moved in (one_study(tmp_path / "b", checkpoint_every_n_steps=2, base={"trainer": {"max_steps": 4}}),
+                  one_study(tmp_path / "b", checkpoint_every_n_steps=0, base={"trainer": {"max_steps": 4}})):
+        assert changed_setting(moved, plan(moved)[0]) is None
+    edited = one_study(tmp_path / "b", base={"trainer": {"max_steps": 8}})
+    assert changed_setting(edited, plan(edited)[0]) == "trainer.max_steps: 4 there, 8 now"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import csv
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,12 +42,13 @@ class Tournament:
 
 
 def parse_spec(spec: str) -> tuple[str, Path]:
-    """`name=path` or `path` (name: the file's stem, or its folder's name for a samples.csv). A path may hold `=`
-    (a study's runs/es_seed=0/samples.csv): esrl.labels.split_label."""
+    """`name=path` or `path` (name: the file's stem, or for a samples.csv its run's folder, above lightning_logs/
+    version_N). A path may hold `=` (a study's runs/es_seed=0/...): esrl.labels.split_label."""
     name, path = split_label(spec)
     file = Path(path)
-    if not name:
-        name = file.parent.name if file.stem == "samples" and file.parent.name else file.stem
+    if not name:  # a run's samples.csv (RUN/lightning_logs/version_N/samples.csv): the run's folder
+        folders = [p for p in file.parent.parts if p != "lightning_logs" and not re.fullmatch(r"version_\d+", p)]
+        name = (folders[-1] if folders else "") if file.stem == "samples" else file.stem
     if not path or not name:
         raise ConfigError(f"--completions {spec!r}: expected NAME=PATH")
     return name, file

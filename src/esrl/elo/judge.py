@@ -43,7 +43,7 @@ TEMPLATES = {
 }
 
 _LETTER = re.compile(r"(?<![A-Za-z0-9])(A|B)(?![A-Za-z0-9])")
-_ALONE = re.compile(r"^\W*(A|B)(?:\W*(?:$|[.:)\n,;])|\s+[-(])")
+_ALONE = re.compile(r"^\W*(A|B)(?:\W*(?:$|[.:)\n;])|,(?!\s*[AB]\b)|\s+[-(])")
 _BETTER = re.compile(r"(?<![A-Za-z0-9])(A|B) is (?:better|more|clearer|safer|preferable|preferred)")
 _TIE = re.compile(r"\b(tie|tied|equal|equally|neither|same|both)\b", re.IGNORECASE)
 

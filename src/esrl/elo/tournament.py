@@ -169,8 +169,8 @@ def judge_stats(matches: list[Match], cache: JudgmentCache) -> dict[str, Any]:
     the response shown first."""
     verdicts = [verdict(m, cache) for m in matches if m.key is not None]
     picks = [v for v in verdicts if v in ("A", "B")]
-    keys = {m.key for m in matches if m.key is not None}
-    return {"unparsed": sum(v is None for v in verdicts), "too_long": sum(bool(cache[k].get("too_long")) for k in keys),
+    too_long = sum(bool(cache[m.key].get("too_long")) for m in matches if m.key is not None)
+    return {"unparsed": sum(v is None for v in verdicts), "too_long": too_long,
             "first_position_rate": round(picks.count("A") / len(picks), 4) if picks else None}
 
 

@@ -29,7 +29,8 @@ class HTTPScorer(Scorer):
         max_items, max_chars: split a batch into requests of at most this many items / characters. Left out, a
             request the service refuses as over its limits (HTTP 413) makes the client read them (GET /health) once
             and split the batch by them.
-    Other 4xx answers (wrong token, over the limits) are not retried. When every attempt fails, or the answer is
+    Other 4xx answers (a wrong token; over the limits, once the service's own are in use) are not retried. When
+    every attempt fails, or the answer is
     malformed (not JSON, wrong length, non-numbers, NaN), ScorerError names the URL and the cause.
     """
 

@@ -98,7 +98,14 @@ def server_token(token: str | None, token_file: str | None, no_token: bool, host
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(new + "\n")
-            os.link(tmp, path)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise
+            except OSError:  # a file system without hard links: create it exclusively, as before
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(new + "\n")
         finally:
             tmp.unlink(missing_ok=True)
         print(f"esrl serve-scorer: wrote a new token to {path} (clients: {ENV_FILE}={path})", file=sys.stderr)

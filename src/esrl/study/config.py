@@ -123,9 +123,10 @@ class StudyConfig:
         require(not unknown, "analysis.analyses", f"unknown analysis {unknown[:1]}; "
                 "choose from similarity, connectivity, robustness")
         require(s.num_prompts >= 1, "analysis.num_prompts", "must be >= 1")
-        require(all(0.0 <= a <= 1.0 for a in s.alphas) and 0.0 in s.alphas and 1.0 in s.alphas, "analysis.alphas",
-                f"must lie in [0, 1] and include both, got {s.alphas}")
-        require(bool(s.sigmas) and all(0.0 <= x < math.inf for x in s.sigmas), "analysis.sigmas",
+        number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)  # noqa: E731
+        require(all(number(a) and 0.0 <= a <= 1.0 for a in s.alphas) and 0.0 in s.alphas and 1.0 in s.alphas,
+                "analysis.alphas", f"must lie in [0, 1] and include both, got {s.alphas}")
+        require(bool(s.sigmas) and all(number(x) and 0.0 <= x < math.inf for x in s.sigmas), "analysis.sigmas",
                 f"must be finite non-negative numbers, got {s.sigmas}")
         require(s.max_new_tokens is None or s.max_new_tokens >= 1, "analysis.max_new_tokens", "must be >= 1")
         require(s.connectivity_seeds >= 1 and s.robustness_seeds >= 1 and s.robustness_draws >= 1,

@@ -120,24 +120,39 @@ def changed_setting(study: StudyConfig, run: Run) -> str | None:
     if status(run) != "done" or not path.is_file():
         return None
     try:
-        old = _leaves(yaml.safe_load(path.read_text()))
-    except yaml.YAMLError:
+        old = _leaves(_without_place(yaml.safe_load(path.read_text())))
+    except (yaml.YAMLError, TypeError, KeyError):
         return None
-    new = _leaves(yaml.safe_load(yaml.safe_dump(resolved_config(study, run), sort_keys=False)))
-    for key in sorted(set(old) | set(new) - {"trainer.default_root_dir"}):
+    new = _leaves(_without_place(yaml.safe_load(yaml.safe_dump(resolved_config(study, run), sort_keys=False))))
+    for key in sorted(set(old) | set(new)):
         if old.get(key) != new.get(key):
             return f"{key}: {old.get(key)!r} there, {new.get(key)!r} now"
     return None
 
 
+def _without_place(config: Any) -> Any:
+    """A fit config without what says where and how often it saves (its folder, checkpointing), which a moved
+    study folder or a new checkpoint_every_n_steps changes and the results do not."""
+    if not isinstance(config, dict):
+        raise TypeError("not a mapping")
+    config = copy.deepcopy(config)
+    trainer = config.get("trainer") if isinstance(config.get("trainer"), dict) else {}
+    trainer.pop("default_root_dir", None)
+    trainer.pop("enable_checkpointing", None)
+    if isinstance(trainer.get("callbacks"), list):
+        trainer["callbacks"] = [c for c in trainer["callbacks"] if not (
+            isinstance(c, dict) and str(c.get("class_path", "")).endswith("ModelCheckpoint"))] or None
+    return config
+
+
 def _leaves(node: Any, prefix: str = "") -> dict[str, Any]:
-    """{'a': {'b': 1}} -> {'a.b': 1}; lists and scalars are leaves."""
-    if not isinstance(node, dict):
-        return {prefix.rstrip("."): node} if prefix else {}
+    """{'a': {'b': 1}} -> {'a.b': 1}; lists and scalars are leaves, a None or an empty mapping none (as if absent)."""
     out: dict[str, Any] = {}
     for key, value in node.items():
-        out.update(_leaves(value, f"{prefix}{key}.") if isinstance(value, dict) and value else
-                   {f"{prefix}{key}": value})
+        if isinstance(value, dict):
+            out.update(_leaves(value, f"{prefix}{key}."))
+        elif value is not None:
+            out[f"{prefix}{key}"] = value
     return out
 
 

@@ -269,6 +269,8 @@ def build(path: str = HUB_ID, config: str | None = "alpaca-7b", split: str = "tr
     require(retries >= 0, "data.task_args.retries", f"must be >= 0, got {retries}")
     require(timeout > 0, "data.task_args.timeout", f"seconds, must be > 0, got {timeout}")
     require(backoff >= 0, "data.task_args.backoff", f"seconds, must be >= 0, got {backoff}")
+    for name, limit in (("max_items", max_items), ("max_chars", max_chars)):
+        require(limit is None or limit >= 1, f"data.task_args.{name}", f"must be >= 1 (or null), got {limit}")
     if train_path is not None:
         train_rows = _take(read_jsonl(train_path, SCHEMA, _check_row), num_train, "num_train", train_path)
         eval_rows = (_take(read_jsonl(eval_path, SCHEMA, _check_row), num_eval, "num_eval", eval_path)

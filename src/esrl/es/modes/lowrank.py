@@ -270,6 +270,8 @@ class PopulationPerturbation(PopulationHooks):
             self._inside = True
             try:
                 return torch.func.functional_call(module, params, args, kwargs)
+            except torch.OutOfMemoryError:
+                raise
             except RuntimeError as e:  # e.g. nn.LayerNorm: F.layer_norm takes one weight, not one per row
                 raise ConfigError(f"model.es.lowrank_vectors: full cannot perturb {', '.join(weights)} of {name} "
                                   f"({type(module).__name__}), which takes one weight, not one per batch row "
