@@ -30,8 +30,8 @@ class HTTPScorer(Scorer):
             request the service refuses as over its limits (HTTP 413) makes the client read them (GET /health) once
             and split the batch by them.
     Other 4xx answers (a wrong token; over the limits, once the service's own are in use) are not retried. When
-    every attempt fails, or the answer is
-    malformed (not JSON, wrong length, non-numbers, NaN), ScorerError names the URL and the cause.
+    every attempt fails, or the answer is malformed (not JSON, wrong length, non-numbers, NaN), ScorerError names
+    the URL and the cause.
     """
 
     def __init__(self, url: str, token: str | None = None, timeout: float = 60.0, retries: int = 3,
