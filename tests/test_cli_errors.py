@@ -42,6 +42,8 @@ def error_lines(out) -> list[str]:
      "model.es.momentum: applies to optimizer sgd only"),  # AdamW dropped it silently
     (["--trainer.precision", "bf16-true"],  # Lightning converted the weights the seed log calls float32
      "trainer.precision bf16-true with model.policy.dtype float32: ES would perturb and update torch.bfloat16"),
+    (["--trainer.precision", "bf16-true", "--model.policy.dtype", "fp32"],  # an alias: getattr(torch, 'fp32') raised
+     "trainer.precision bf16-true with model.policy.dtype fp32: ES would perturb and update torch.bfloat16"),
     (["--model.rollout.stop", '[""]'], "model.rollout.stop: stop strings must be non-empty"),
     (["--algo", "grpo", "--model.grpo.lora", "{layers: '5-9'}"],
      "model.grpo.lora.layers: '5-9' reaches past the model's 2 layers (0-1)"),  # not PEFT's "target modules"
@@ -320,6 +322,35 @@ def test_truncated_weights_and_offline_hub_ids_are_one_line_naming_them(tiny_mod
                                                  "HF_HUB_OFFLINE is set"):
         load_tokenizer("someorg/not-cached-model")
     assert time.monotonic() - start < 30
+
+
+def test_a_folder_that_is_no_causal_lm_or_cannot_pad_or_refuses_the_prompt_is_one_line(tiny_model, tmp_path):
+    """transformers' ValueError for a config.json without a model_type (or a T5's), tokenizer.pad's for a tokenizer
+    with neither pad nor EOS at the first rollout, and jinja2's for a template refusing a role, were tracebacks."""
+    import shutil
+
+    from esrl.errors import ConfigError, ModelNotFoundError
+    from esrl.models import load_causal_lm, load_tokenizer
+    from esrl.rollout.text import render_prompts
+    from transformers import AutoTokenizer
+
+    no_type = tmp_path / "no_type"
+    shutil.copytree(tiny_model, no_type)
+    (no_type / "config.json").write_text("{}")
+    with pytest.raises(ModelNotFoundError, match=f"^model '{no_type}': {no_type} does not load as "
+                                                 "AutoModelForCausalLM: Unrecognized model"):
+        load_causal_lm(str(no_type))
+    no_pad = tmp_path / "no_pad"
+    shutil.copytree(tiny_model, no_pad)
+    tok = AutoTokenizer.from_pretrained(no_pad)
+    tok.eos_token = tok.pad_token = None
+    tok.save_pretrained(no_pad)
+    with pytest.raises(ModelNotFoundError, match="its tokenizer has neither a pad token nor an end-of-sequence"):
+        load_tokenizer(str(no_pad))
+    tok = load_tokenizer(tiny_model)
+    tok.chat_template = "{{ raise_exception('System role not supported') }}"
+    with pytest.raises(ConfigError, match="refuses the task's prompt: System role not supported"):
+        render_prompts(tok, [[{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]])
 
 
 def test_an_error_every_process_raises_is_one_line_each_naming_its_rank(tiny_model, tmp_path):

@@ -12,7 +12,7 @@ from conftest import conciseness_data
 pytestmark = pytest.mark.slow
 
 
-def _evaluated(model, root, algo: str, top_p: float = 1.0) -> dict:
+def _evaluated(model, root, algo: str, top_p: float = 1.0, precision: str = "32-true") -> dict:
     """The step-0 evaluation (4 samples a prompt, KL on) of a one-step run of `algo` on `model`."""
     from esrl.callbacks import Evaluation
     from esrl.es.config import ESConfig
@@ -28,6 +28,7 @@ def _evaluated(model, root, algo: str, top_p: float = 1.0) -> dict:
     data = conciseness_data(1)
     evaluation = Evaluation(before=True, after=False, num_samples=4)
     L.Trainer(accelerator="cpu", devices=1, max_steps=1, enable_progress_bar=False, enable_model_summary=False,
+              precision=precision,
               enable_checkpointing=False, logger=False, limit_val_batches=0, default_root_dir=root,
               callbacks=[evaluation]).fit(module, datamodule=data)
     return evaluation.history[0]
@@ -60,6 +61,12 @@ def test_grpos_kl_at_step_0_is_0_with_dropout(tmp_path):
     config.save_pretrained(model)
     assert json.loads((tmp_path / "dropout" / "config.json").read_text())["attention_dropout"] == 0.3
     assert _evaluated(model, tmp_path / "grpo", "grpo")["kl"] == 0.0
+
+
+def test_grpos_kl_at_step_0_is_0_under_a_true_half_precision(tiny_model, tmp_path):
+    """bf16-true converts the policy after it loads; the evaluation's base (GRPO with beta 0 keeps no reference)
+    stayed float32, and step 0's KL measured the rounding between them."""
+    assert _evaluated(tiny_model, tmp_path / "grpo", "grpo", precision="bf16-true")["kl"] == 0.0
 
 
 def test_an_eval_jsonl_whose_last_line_was_cut_off_still_reads(tmp_path):

@@ -184,7 +184,10 @@ class Evaluation(L.Callback):
         base = module.frozen_base()  # GRPO's reference: no second copy of the model on the device
         if base is None:
             if self._base is None:
-                self._base = load_causal_lm(module.model_path, module.policy_config.dtype).to(module.device)
+                # in the policy's dtype as it runs (a true half precision converted it after loading): step 0's
+                # KL is then 0, not the rounding between the two
+                dtype = next(module.policy.parameters()).dtype
+                self._base = load_causal_lm(module.model_path, module.policy_config.dtype).to(module.device, dtype)
             base = self._base
         prompts = encode_prompts(module.tokenizer, module.task.prompts(rows))
         training = module.policy.training  # GRPO trains in train mode: dropout off for the estimate, as the base's

@@ -21,6 +21,7 @@ from esrl.es.seed_log import append_record, make_header, make_record, write_seed
 from esrl.es.setup import build_optimizer, build_policy, build_selection
 from esrl.es.shaping import shape_fitness
 from esrl.es.update import es_step, weights_checksum
+from esrl.models.loading import DTYPES
 from esrl.atomic_files import write_final
 from esrl.policy import PolicyConfig, PolicyModule, precision_dtype, world_info
 from esrl.rollout import AdapterSpec, Completion, RolloutConfig, engine_capabilities
@@ -80,7 +81,7 @@ class ESModule(PolicyModule):
                               "to autocast; fp16's grad scaler would rescale the ES gradient); set model.policy.dtype "
                               "and use 32-true or bf16-true")
         converted = precision_dtype(self.trainer)  # a true half precision converts the loaded weights
-        if converted is not None and converted != getattr(torch, self.policy_config.dtype):
+        if converted is not None and converted != DTYPES[self.policy_config.dtype]:  # bf16 is no torch attribute
             raise ConfigError(f"trainer.precision {self.trainer.precision} with model.policy.dtype "
                               f"{self.policy_config.dtype}: ES would perturb and update {converted} weights while "
                               f"its seed log says {self.policy_config.dtype}; set model.policy.dtype "

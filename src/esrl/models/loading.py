@@ -137,11 +137,15 @@ def _from_pretrained(loader, name_or_path: str, needs: tuple[str, str, tuple[str
         raise ModelNotFoundError(
             f"model {name_or_path!r}: not a local folder, and the hub copy could not be loaded "
             f"(looked in the HF cache {cache}): {str(e).splitlines()[0]}") from None
-    except Exception:  # a truncated weights file surfaces as SafetensorError (or another reader's error)
+    except Exception as e:  # a truncated weights file surfaces as SafetensorError (or another reader's error)
         bad = _bad_safetensors(Path(resolved)) if Path(resolved).is_dir() else None
-        if bad is None:
-            raise
-        raise DataError(f"model {name_or_path!r}: {bad}") from None
+        if bad is not None:
+            raise DataError(f"model {name_or_path!r}: {bad}") from None
+        if isinstance(e, ValueError) and Path(resolved).is_dir():  # not this kind of model: a T5, a config.json {}
+            what = getattr(loader, "__name__", "a model")
+            raise ModelNotFoundError(f"model {name_or_path!r}: {resolved} does not load as {what}: "
+                                     f"{str(e).splitlines()[0][:200]}") from None
+        raise
 
 
 class _quiet_transformers:
@@ -191,6 +195,9 @@ def load_tokenizer(name_or_path: str):
                                                           "(tokenizer.save_pretrained)", TOKENIZER_FILES))
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    if tok.pad_token is None:  # else tokenizer.pad's ValueError at the first rollout, after the model loaded
+        raise ModelNotFoundError(f"model {name_or_path!r}: its tokenizer has neither a pad token nor an "
+                                 "end-of-sequence token (set eos_token in its tokenizer_config.json)")
     tok.padding_side = "left"  # generation appends on the right
     return tok
 

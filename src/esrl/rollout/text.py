@@ -15,8 +15,15 @@ def render_prompts(tokenizer, prompts: Sequence[Prompt]) -> list[str]:
         raise ConfigError(f"model.policy: the tokenizer of {getattr(tokenizer, 'name_or_path', 'the model')!r} has "
                           "no chat template, and the task's prompts are chat messages: use a chat (instruct) model, "
                           "or raw prompts (jsonl and math tasks: data.task_args.chat false)")
-    return [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) if isinstance(p, list)
-            else p for p in prompts]
+    try:
+        return [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) if isinstance(p, list)
+                else p for p in prompts]
+    except Exception as e:  # jinja2's TemplateError: a template that refuses a role ("System role not supported")
+        if type(e).__module__.split(".")[0] != "jinja2":
+            raise
+        raise ConfigError(f"model.policy: the chat template of {getattr(tokenizer, 'name_or_path', 'the model')!r} "
+                          f"refuses the task's prompt: {e} (a system prompt on a model without that role: leave "
+                          "data.task_args.system_prompt out)") from None
 
 
 def encode_prompts(tokenizer, prompts: Sequence[Prompt]) -> list[list[int]]:
