@@ -182,6 +182,9 @@ def test_samples_csv_from_the_evaluation_callback_gives_its_last_step(tmp_path):
     (tmp_path / "b.jsonl").write_text('{"prompt": "Q2", "completion": "b2"}\n{"prompt": "Q1", "completion": "b1"}\n')
     t = line_up([str(run_dir / "samples.csv"), str(tmp_path / "b.jsonl")])
     assert t.models == ["run_es", "b"] and t.completions == {"run_es": ["new1", "new, 2"], "b": ["b1", "b2"]}
+    from esrl.elo.files import parse_spec
+
+    assert parse_spec("samples.csv") == ("samples", Path("samples.csv"))  # no folder to name it by: its stem
 
 
 

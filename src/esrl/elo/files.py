@@ -48,7 +48,7 @@ def parse_spec(spec: str) -> tuple[str, Path]:
     file = Path(path)
     if not name:  # a run's samples.csv (RUN/lightning_logs/version_N/samples.csv): the run's folder
         folders = [p for p in file.parent.parts if p != "lightning_logs" and not re.fullmatch(r"version_\d+", p)]
-        name = (folders[-1] if folders else "") if file.stem == "samples" else file.stem
+        name = folders[-1] if file.stem == "samples" and folders else file.stem  # ./samples.csv: "samples"
     if not path or not name:
         raise ConfigError(f"--completions {spec!r}: expected NAME=PATH")
     return name, file
