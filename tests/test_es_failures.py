@@ -166,3 +166,21 @@ def test_a_lora_fit_leaves_no_hooks_on_the_policy(tiny_model, tmp_path, fails):
     assert hasattr(module, "error") == fails
     hooked = [name for name, m in module.policy.named_modules() if m._forward_hooks or m._forward_pre_hooks]
     assert not hooked and module.backend.static is None
+
+
+@pytest.mark.slow
+def test_a_final_save_that_fails_on_rank_0_ends_every_rank(tiny_model, tmp_path):
+    """Two processes; rank 0 cannot write final/ (a file of that name is in the way). Rank 1 waited for rank 0 at a
+    barrier rank 0 never reached (under NCCL, until the collective's timeout, holding its GPU); now both ranks end,
+    rank 1 with a line that points to rank 0's error."""
+    from cli_runner import run_esrl
+    from conftest import write_tiny_config
+
+    config = write_tiny_config(tmp_path / "c.yaml", tiny_model, max_steps=1, es={"population_size": 4},
+                               trainer={"devices": 2, "logger": False})
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "final").write_text("in the way")
+    out = run_esrl("fit", "--config", config, "--trainer.default_root_dir", tmp_path / "run", timeout=240)
+    assert out.returncode != 0 and "NotADirectoryError" in out.stderr, out.stderr[-3000:]
+    assert f"esrl: error [rank 1]: rank 0 could not write {tmp_path / 'run' / 'final'}" in out.stderr, out.stderr[-3000:]
+    assert (tmp_path / "run" / "final").read_text() == "in the way"

@@ -94,6 +94,18 @@ def test_embedded_model_cache_is_checked_on_every_resolve(tmp_path, monkeypatch)
     assert loading.resolve_model_path("smollm2-135m-instruct") == path and len(converted) == 2
 
 
+def test_esrl_cache_with_a_tilde_or_empty_is_a_folder_in_home(tmp_path, monkeypatch):
+    """ESRL_CACHE="~/models" (quoted, so no shell expanded it) made a folder named ~ in the working folder, and an
+    empty ESRL_CACHE made the working folder itself the cache."""
+    from esrl.models.cache import cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("ESRL_CACHE", "~/models")
+    assert cache_dir() == tmp_path / "models"
+    monkeypatch.setenv("ESRL_CACHE", "")
+    assert cache_dir() == tmp_path / ".cache" / "esrl"
+
+
 @pytest.fixture(params=["file", "below-a-file"])
 def cache_on_a_file(request, tmp_path, monkeypatch):
     """ESRL_CACHE that is a regular file, or a path below one (it cannot be created)."""

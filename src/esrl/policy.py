@@ -14,7 +14,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import lightning as L
 import torch
 
-from esrl.errors import require
+from esrl.errors import EsrlError, require
 from esrl.atomic_files import write_final
 from esrl.models.loading import DTYPES, load_causal_lm, load_tokenizer, resolve_model_path
 from esrl.models.lora import save_final
@@ -245,12 +245,23 @@ class PolicyModule(L.LightningModule):
     def run_dir(self) -> Path:
         return self._run_dir
 
+    def write_model(self, out: Path) -> None:
+        """The trained model in HF format into the fresh folder `out`, loadable by from_pretrained (a LoRA policy:
+        the merged model there, its adapter in PEFT format under out/adapter/)."""
+        save_final(self.policy, self.tokenizer, out)
+
     def on_fit_end(self) -> None:
-        """The trained model in HF format under <log dir>/final/, loadable by from_pretrained (a LoRA policy: the
-        merged model there, its adapter in PEFT format under final/adapter/)."""
+        """The trained model under <log dir>/final/ (write_model), written by rank 0. The ranks then agree on
+        whether it was written, a collective rather than a barrier, so that a save that raised on rank 0 (a full
+        disk) ends every rank with it instead of leaving the others waiting for a rank that is gone."""
+        failed = None
         if self.trainer.is_global_zero:
-            write_final(lambda out: save_final(self.policy, self.tokenizer, out), self.run_dir() / "final")
-        self.trainer.strategy.barrier("final")
+            try:
+                write_final(self.write_model, self.run_dir() / "final")
+            except Exception as e:
+                failed = e
+        if not self.trainer.strategy.reduce_boolean_decision(failed is None, all=True):
+            raise failed or EsrlError(f"rank 0 could not write {self.run_dir() / 'final'} (its error is above)")
 
     def save_configs(self, **configs: Any) -> None:
         """Hyperparameters as plain dicts, so checkpoints load with torch.load(weights_only=True)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -22,7 +23,6 @@ from esrl.es.setup import build_optimizer, build_policy, build_selection
 from esrl.es.shaping import shape_fitness
 from esrl.es.update import es_step, weights_checksum
 from esrl.models.loading import DTYPES
-from esrl.atomic_files import write_final
 from esrl.policy import PolicyConfig, PolicyModule, precision_dtype, world_info
 from esrl.rollout import AdapterSpec, Completion, RolloutConfig, engine_capabilities
 from esrl.tasks.reward_values import check_bad_rewards, reward_name
@@ -235,12 +235,10 @@ class ESModule(PolicyModule):
     def configure_callbacks(self):
         return [*super().configure_callbacks(), _ClosesBackend()]
 
-    def on_fit_end(self) -> None:
-        """The trained model under final/, as the mode saves it (lora: the adapter in PEFT format under
-        final/adapter/ and the merged model in final/)."""
-        if self.trainer.is_global_zero:
-            write_final(lambda out: self.mode.save_final(self.policy, self.tokenizer, out), self.run_dir() / "final")
-        self.trainer.strategy.barrier("final")
+    def write_model(self, out: Path) -> None:
+        """The trained model as the mode saves it (lora: the adapter in PEFT format under out/adapter/ and the
+        merged model in out/)."""
+        self.mode.save_final(self.policy, self.tokenizer, out)
 
     def noise_device(self) -> str:
         """The device type whose generator draws the noise (seed_log.make_header)."""

@@ -27,7 +27,9 @@ RECORD = "esrl-cache.json"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("ESRL_CACHE", Path.home() / ".cache" / "esrl"))
+    """$ESRL_CACHE with ~ expanded as a shell would not inside quotes (unset or empty: ~/.cache/esrl, never the
+    working folder)."""
+    return Path(os.environ.get("ESRL_CACHE") or Path.home() / ".cache" / "esrl").expanduser()
 
 
 def cache_dir_problem() -> str | None:
