@@ -92,6 +92,12 @@ def test_embedded_model_cache_is_checked_on_every_resolve(tmp_path, monkeypatch)
     assert loading.resolve_model_path("smollm2-135m-instruct") == path and len(converted) == 1
     truncate(tmp_path / "smollm2-135m-instruct")
     assert loading.resolve_model_path("smollm2-135m-instruct") == path and len(converted) == 2
+    # the package upgraded to another GGUF file: the conversion of the old one is not served
+    source = loading.embedded_source("smollm2-135m-instruct")
+    monkeypatch.setattr(loading, "embedded_source", lambda name: {**source, "bytes": source["bytes"] + 1})
+    assert "built from {'gguf'" in loading.embedded_problem("smollm2-135m-instruct")
+    assert loading.resolve_model_path("smollm2-135m-instruct") == path and len(converted) == 3
+    assert loading.embedded_problem("smollm2-135m-instruct") is None
 
 
 def test_esrl_cache_with_a_tilde_or_empty_is_a_folder_in_home(tmp_path, monkeypatch):

@@ -48,14 +48,14 @@ def devices() -> list[str]:
 
 
 def embedded_models() -> list[str]:
-    from esrl.models.cache import cache_dir, cache_dir_problem, problem
-    from esrl.models.loading import EMBEDDED_MODELS
+    from esrl.models.cache import cache_dir, cache_dir_problem
+    from esrl.models.loading import EMBEDDED_MODELS, embedded_problem
 
     lines = []
     broken = cache_dir_problem()
     for name in EMBEDDED_MODELS:
         folder = cache_dir() / name
-        why = problem(folder)
+        why = embedded_problem(name)
         state = ("cached" if why is None else f"missing, no folder to convert it into ({broken})" if broken
                  else "not converted yet (on first use)" if not folder.exists()
                  else f"unusable, rebuilt on next use ({why})")
@@ -66,10 +66,10 @@ def embedded_models() -> list[str]:
 def conversion_problem() -> str | None:
     """Why ESRL_CACHE cannot take an embedded model not converted yet, or None (all are there: a read-only cache
     serves them)."""
-    from esrl.models.cache import cache_dir, cache_dir_problem, problem
-    from esrl.models.loading import EMBEDDED_MODELS
+    from esrl.models.cache import cache_dir_problem
+    from esrl.models.loading import EMBEDDED_MODELS, embedded_problem
 
-    if all(problem(cache_dir() / name) is None for name in EMBEDDED_MODELS):
+    if all(embedded_problem(name) is None for name in EMBEDDED_MODELS):
         return None
     return cache_dir_problem()
 

