@@ -172,7 +172,8 @@ def test_a_stop_string_begun_in_the_prompt_does_not_end_the_row(setup):
 
 def test_the_models_generation_config_changes_no_token(setup):
     """A checkpoint's repetition_penalty or no_repeat_ngram_size (Qwen2.5-Instruct ships one) would steer generate
-    alone: the static decoder and vLLM apply none. The engine's generate calls set them neutral."""
+    alone: the static decoder and vLLM apply none. The engine's generate calls set them neutral, min_new_tokens and
+    stop_strings too (generate refused a checkpoint's stop_strings without a tokenizer)."""
     model, eager, compiled = setup
     plain = _tokens(compiled.generate(MIXED, max_new_tokens=NEW))
     config = model.generation_config
@@ -182,6 +183,7 @@ def test_the_models_generation_config_changes_no_token(setup):
         enc = eager.tokenizer(MIXED, return_tensors="pt", padding=True, add_special_tokens=False)
         steered = model.generate(**enc, max_new_tokens=NEW, do_sample=False)[:, enc["input_ids"].shape[1]:]
         assert [row[:len(p)] for row, p in zip(steered.tolist(), plain)] != plain  # generate alone would differ
+        config.min_new_tokens, config.stop_strings = NEW, ["the"]
         assert _tokens(eager.generate(MIXED, max_new_tokens=NEW, stop=["\x00never"])) == plain
         assert _tokens(compiled.generate(MIXED, max_new_tokens=NEW)) == plain
     finally:
