@@ -40,7 +40,8 @@ NEUTRAL_GENERATION = {key: value for key, value in dict(
     min_p=None, top_h=None, min_length=0, min_new_tokens=None, stop_strings=None, bad_words_ids=None,
     sequence_bias=None, suppress_tokens=None, begin_suppress_tokens=None, forced_bos_token_id=None,
     forced_eos_token_id=None, guidance_scale=None, exponential_decay_length_penalty=None, renormalize_logits=False,
-    remove_invalid_values=False, watermarking_config=None, penalty_alpha=None, dola_layers=None, prompt_lookup_num_tokens=None, max_time=None,
+    remove_invalid_values=False, watermarking_config=None, penalty_alpha=None, dola_layers=None,
+    prompt_lookup_num_tokens=None, max_time=None,
 ).items() if hasattr(GenerationConfig(), key)}
 
 
