@@ -12,7 +12,8 @@ from conftest import conciseness_data
 pytestmark = pytest.mark.slow
 
 
-def _evaluated(model, root, algo: str, top_p: float = 1.0, precision: str = "32-true") -> dict:
+def _evaluated(model, root, algo: str, top_p: float = 1.0, precision: str = "32-true", dtype: str = "float32",
+              beta: float = 0.0) -> dict:
     """The step-0 evaluation (4 samples a prompt, KL on) of a one-step run of `algo` on `model`."""
     from esrl.callbacks import Evaluation
     from esrl.es.config import ESConfig
@@ -23,8 +24,9 @@ def _evaluated(model, root, algo: str, top_p: float = 1.0, precision: str = "32-
     from esrl.rollout import RolloutConfig
 
     rollout = RolloutConfig(max_new_tokens=6, temperature=1.0, top_p=top_p)
-    module = (ESModule(PolicyConfig(name_or_path=model), rollout, ESConfig(population_size=2, seed=1)) if algo == "es"
-              else GRPOModule(PolicyConfig(name_or_path=model), rollout, GRPOConfig(num_generations=2, seed=1)))
+    policy = PolicyConfig(name_or_path=model, dtype=dtype)
+    module = (ESModule(policy, rollout, ESConfig(population_size=2, seed=1)) if algo == "es"
+              else GRPOModule(policy, rollout, GRPOConfig(num_generations=2, seed=1, beta=beta)))
     data = conciseness_data(1)
     evaluation = Evaluation(before=True, after=False, num_samples=4)
     L.Trainer(accelerator="cpu", devices=1, max_steps=1, enable_progress_bar=False, enable_model_summary=False,
@@ -67,6 +69,14 @@ def test_grpos_kl_at_step_0_is_0_under_a_true_half_precision(tiny_model, tmp_pat
     """bf16-true converts the policy after it loads; the evaluation's base (GRPO with beta 0 keeps no reference)
     stayed float32, and step 0's KL measured the rounding between them."""
     assert _evaluated(tiny_model, tmp_path / "grpo", "grpo", precision="bf16-true")["kl"] == 0.0
+
+
+@pytest.mark.parametrize("algo, beta", [("grpo", 0.04), ("es", 0.0)])
+def test_the_kl_at_step_0_is_0_for_a_bf16_policy(tiny_model, tmp_path, algo, beta):
+    """transformers keeps RoPE's inv_freq float32 in a bf16 model; GRPO's reference (beta > 0) and the evaluation's
+    base were cast with .to(dtype), buffers and all, so their log-probs differed from the policy's at step 0 (a KL
+    penalty toward a corrupted reference). The frozen copies keep the policy's buffers."""
+    assert _evaluated(tiny_model, tmp_path / algo, algo, dtype="bfloat16", beta=beta)["kl"] == 0.0
 
 
 def test_an_eval_jsonl_whose_last_line_was_cut_off_still_reads(tmp_path):

@@ -179,6 +179,7 @@ class Evaluation(L.Callback):
     @torch.no_grad()
     def _kl(self, module, rows, samples) -> float:
         from esrl.models import load_causal_lm
+        from esrl.models.loading import like_policy
         from esrl.rollout.text import encode_prompts
 
         base = module.frozen_base()  # GRPO's reference: no second copy of the model on the device
@@ -187,7 +188,8 @@ class Evaluation(L.Callback):
                 # in the policy's dtype as it runs (a true half precision converted it after loading): step 0's
                 # KL is then 0, not the rounding between the two
                 dtype = next(module.policy.parameters()).dtype
-                self._base = load_causal_lm(module.model_path, module.policy_config.dtype).to(module.device, dtype)
+                self._base = like_policy(load_causal_lm(module.model_path, module.policy_config.dtype),
+                                         module.device, dtype)
             base = self._base
         prompts = encode_prompts(module.tokenizer, module.task.prompts(rows))
         training = module.policy.training  # GRPO trains in train mode: dropout off for the estimate, as the base's

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from esrl.models.loading import like_policy
+
 
 class FrozenReference:
     """The base policy, frozen, for the reference log-probs of the KL penalty (beta > 0).
@@ -20,5 +22,5 @@ class FrozenReference:
         self.model = model.eval().requires_grad_(False)
 
     def to(self, device: torch.device, dtype: torch.dtype) -> FrozenReference:
-        self.model.to(device=device, dtype=dtype)
+        like_policy(self.model, device, dtype)
         return self

@@ -227,3 +227,13 @@ def load_causal_lm(name_or_path: str, dtype: str = "float32", what: str = "model
                           what, dtype=DTYPES[dtype])
     model.eval()
     return model
+
+
+def like_policy(model: torch.nn.Module, device: torch.device | str, dtype: torch.dtype) -> torch.nn.Module:
+    """`model` (a frozen copy of the base) on `device`, in the precision the policy runs in: cast only when its
+    weights are not `dtype` already (a true half precision cast the policy, buffers and all); otherwise its float32
+    buffers (RoPE's inv_freq, which transformers keeps in float32 in a bf16 model) stay float32 as the policy's do,
+    or the two models' log-probs differ at step 0."""
+    if next(model.parameters()).dtype != dtype:
+        model.to(dtype=dtype)
+    return model.to(device=device)
