@@ -28,7 +28,9 @@ def optimizers(c: EsrlCLI):
 def test_optimizer_and_scheduler_flags_build_over_the_trainable_parameters(tiny_model, tmp_path):
     c = cli(tiny_model, tmp_path, "grpo", "--optimizer", "torch.optim.SGD", "--optimizer.lr", "0.1",
             "--lr_scheduler", "torch.optim.lr_scheduler.StepLR", "--lr_scheduler.step_size", "2")
-    [optimizer], [scheduler] = optimizers(c)
+    config = optimizers(c)
+    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    assert config["lr_scheduler"]["interval"] == "step"  # as TRL's, not LightningCLI's once an epoch
     assert isinstance(optimizer, torch.optim.SGD) and optimizer.param_groups[0]["lr"] == 0.1
     assert isinstance(scheduler, torch.optim.lr_scheduler.StepLR) and scheduler.step_size == 2
     trainable = [p for p in c.model.policy.parameters() if p.requires_grad]
@@ -38,7 +40,8 @@ def test_optimizer_and_scheduler_flags_build_over_the_trainable_parameters(tiny_
 def test_scheduler_flag_alone_schedules_the_default_adamw(tiny_model, tmp_path):
     c = cli(tiny_model, tmp_path, "grpo", "--lr_scheduler", "torch.optim.lr_scheduler.StepLR",
             "--lr_scheduler.step_size", "3")
-    [optimizer], [scheduler] = optimizers(c)
+    config = optimizers(c)
+    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
     assert isinstance(optimizer, torch.optim.AdamW) and [g["weight_decay"] for g in optimizer.param_groups][1] == 0
     assert isinstance(scheduler, torch.optim.lr_scheduler.StepLR)
 

@@ -27,7 +27,7 @@ from dataclasses import asdict
 from typing import Any
 
 import torch
-from lightning.pytorch.cli import LightningCLI, LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 
@@ -140,7 +140,9 @@ class GRPOModule(PolicyModule):
         """TRL's AdamW and LR schedule (esrl.grpo.optim), or the command line's `--optimizer` / `--lr_scheduler`.
 
         Those are LightningCLI's flags, passed in as callables and built here, over the trainable parameters that
-        configure_model created; `--optimizer` without `--lr_scheduler` keeps its lr, as in LightningCLI."""
+        configure_model created; `--optimizer` without `--lr_scheduler` keeps its lr, as in LightningCLI. A
+        schedule steps after every optimizer step, as TRL's does (LightningCLI's own would step once an epoch, and
+        an epoch here is one pass over the prompts, however many steps the run takes)."""
         params = [(n, p) for n, p in self.policy.named_parameters() if p.requires_grad]
         if self.optimizer_factory is None:
             optimizer = default_adamw(params, self.grpo)
@@ -151,9 +153,9 @@ class GRPOModule(PolicyModule):
             if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):  # Lightning wants a monitor
                 raise ConfigError("--lr_scheduler ReduceLROnPlateau: steps on a monitored metric, which esrl does "
                                   "not name for it; use a schedule by step (StepLR, CosineAnnealingLR, ...)")
-            return LightningCLI.configure_optimizers(self, optimizer, scheduler)
-        scheduler = None if self.optimizer_factory is not None else default_schedule(
-            optimizer, self.grpo, self.trainer.estimated_stepping_batches)
+        else:
+            scheduler = None if self.optimizer_factory is not None else default_schedule(
+                optimizer, self.grpo, self.trainer.estimated_stepping_batches)
         if scheduler is None:
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
