@@ -44,6 +44,24 @@ def test_sigint_stops_after_the_step_with_a_checkpoint_and_exit_130(config, tmp_
     assert "distributed_backend" not in out and "MEMBER: 1/1" not in out and "RichProgressBar" not in out
 
 
+def test_a_killed_run_keeps_the_metrics_of_its_finished_steps(config, tmp_path):
+    """SIGKILL (the OOM killer, srun past its grace time) runs no handler: metrics.csv holds what was flushed. The CSV
+    logger's own flush is every 100 steps; Lightning's trainer saves its loggers after each log call, so the rows of
+    finished steps are on disk and a run resumed from its checkpoint keeps its history (a review read the logger's
+    default alone; this pins the behaviour esrl relies on)."""
+    from resume_common import train_steps
+
+    proc = subprocess.Popen([*ESRL, "fit", "--config", str(config), "--trainer.default_root_dir", str(tmp_path)],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    version = tmp_path / "lightning_logs" / "version_0"
+    try:
+        wait_for(version / "checkpoints" / "step=3.ckpt", proc)  # step 2's checkpoint: its row is logged after it
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert train_steps(version / "metrics.csv")[:2] == [0, 1]
+
+
 @pytest.mark.parametrize("when", ["importing", "Seed set", "Loading weights"])
 def test_ctrl_c_before_training_is_one_line_and_exit_130(config, tmp_path, when):
     """Ctrl+C while esrl imports torch (its handling not there yet), after the parse, or inside Lightning's fit
