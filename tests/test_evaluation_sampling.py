@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 
 def _evaluated(model, root, algo: str, top_p: float = 1.0, precision: str = "32-true", dtype: str = "float32",
-              beta: float = 0.0) -> dict:
+              beta: float = 0.0, correct_metric: str | None = None) -> dict:
     """The step-0 evaluation (4 samples a prompt, KL on) of a one-step run of `algo` on `model`."""
     from esrl.callbacks import Evaluation
     from esrl.es.config import ESConfig
@@ -28,7 +28,7 @@ def _evaluated(model, root, algo: str, top_p: float = 1.0, precision: str = "32-
     module = (ESModule(policy, rollout, ESConfig(population_size=2, seed=1)) if algo == "es"
               else GRPOModule(policy, rollout, GRPOConfig(num_generations=2, seed=1, beta=beta)))
     data = conciseness_data(1)
-    evaluation = Evaluation(before=True, after=False, num_samples=4)
+    evaluation = Evaluation(before=True, after=False, num_samples=4, correct_metric=correct_metric)
     L.Trainer(accelerator="cpu", devices=1, max_steps=1, enable_progress_bar=False, enable_model_summary=False,
               precision=precision,
               enable_checkpointing=False, logger=False, limit_val_batches=0, default_root_dir=root,
@@ -77,6 +77,13 @@ def test_the_kl_at_step_0_is_0_for_a_bf16_policy(tiny_model, tmp_path, algo, bet
     base were cast with .to(dtype), buffers and all, so their log-probs differed from the policy's at step 0 (a KL
     penalty toward a corrupted reference). The frozen copies keep the policy's buffers."""
     assert _evaluated(tiny_model, tmp_path / algo, algo, dtype="bfloat16", beta=beta)["kl"] == 0.0
+
+
+def test_a_correct_metric_the_task_lacks_is_one_line_naming_it(tiny_model, tmp_path):
+    from esrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^Evaluation.correct_metric 'acc': the task \w+ gives .*reward"):
+        _evaluated(tiny_model, tmp_path, "es", correct_metric="acc")
 
 
 def test_an_eval_jsonl_whose_last_line_was_cut_off_still_reads(tmp_path):

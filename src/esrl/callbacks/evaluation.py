@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from esrl.atomic_files import write_text, write_with
 from esrl.callbacks.interruption import final_phase
-from esrl.errors import DataError, RewardError
+from esrl.errors import ConfigError, DataError, RewardError
 from esrl.metrics import hacking_indicators, k3_kl, pass_at_k, special_token_share
 from esrl.rollout.hf import end_token_ids
 from esrl.tasks.base import prompt_text
@@ -167,6 +167,9 @@ class Evaluation(L.Callback):
         values = module.score_rows(repeated, samples)
         out = {f"sampled/{k}": v for k, v in finite_means({"reward": values["reward"]}, module, "sampled reward").items()}
         key = self.correct_metric or next((k for k in ("accuracy", "exact") if k in values), None)
+        if key is not None and key not in values:
+            raise ConfigError(f"Evaluation.correct_metric {key!r}: the task {type(module.task).__name__} gives "
+                              f"{', '.join(sorted(values))}")
         correct = [v >= 1.0 for v in values[key]] if key else [r > 0 for r in values["reward"]]
         for k in self.pass_k:
             out[f"pass@{k}"] = fmean(pass_at_k(n, sum(correct[i * n:(i + 1) * n]), k) for i in range(len(rows)))
