@@ -167,6 +167,20 @@ def test_killed_service_stops_cleanly_and_resume_loses_nothing(tiny_model, score
     assert [r["train/lambda"] for r in metric_rows(resumed.parent.parent)] == ref_lambda[1:]
 
 
+def test_a_run_resumed_at_its_last_step_evaluates_with_the_checkpoints_lambda(tiny_model, service, reference_run,
+                                                                             tmp_path):
+    """Resumed from its last step's checkpoint (its final evaluation was cut off: a scorer outage, a signal), a run
+    trains nothing and Lightning skips the train hooks, where lambda was restored: the final evaluation scored with
+    lambda_init. It gives the uninterrupted run's record."""
+    ckpt = reference_run.parent.parent / "checkpoints" / f"step={STEPS}.ckpt"
+    resumed = fit_final(pku_config(tmp_path / "last.yaml", tiny_model, service.url), tmp_path / "last",
+                        "--ckpt_path", ckpt)
+    want = json.loads((reference_run.parent.parent / "eval.jsonl").read_text().splitlines()[-1])
+    (got,) = [json.loads(line) for line in (resumed.parent.parent / "eval.jsonl").read_text().splitlines()]
+    assert got["step"] == want["step"] == STEPS
+    assert got["reward"] == want["reward"] and got["raw_reward"] == want["raw_reward"], (got, want)
+
+
 def test_grpo_adapts_lambda_from_its_rollouts_costs(tiny_model, service, tmp_path):
     """GRPO trains on per-sample reward - lambda * cost and adapts lambda the same way after each step, logging the
     constraint metrics ES logs (GRPO logged no raw reward or safe fraction: its runs could not be compared on them)."""

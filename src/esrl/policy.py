@@ -234,6 +234,12 @@ class PolicyModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         self.update_in_flight = False  # an update applied but not yet counted (GRPO's optimizer_step): no checkpoint
+        self.prepare_rollouts()
+
+    def prepare_rollouts(self) -> None:
+        """What the first rollout after a restore needs (lambda from the checkpoint; in ES and GRPO, an engine with its
+        own weights gets the policy's). At train start; a run resumed at its last step trains nothing and Lightning
+        skips the train hooks, so its final evaluation calls this first (esrl.callbacks.evaluation)."""
         if self._lagrangian_state is not None and self.constraint is not None:
             self.constraint.lagrangian.load_state_dict(self._lagrangian_state)
 

@@ -89,8 +89,15 @@ class Evaluation(L.Callback):
         self.history: list[dict[str, float]] = []
         self._last_step = -1
         self._base = None
+        self._trained = False  # this fit ran its train hooks (a run resumed at its last step does not)
 
     # -- hooks ---------------------------------------------------------------------------------------
+    def on_fit_start(self, trainer, module) -> None:
+        self._trained = False
+
+    def on_train_start(self, trainer, module) -> None:
+        self._trained = True
+
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         """Evaluations at a step's start, of the weights after the steps before it (the last one's: on_train_end).
 
@@ -136,6 +143,8 @@ class Evaluation(L.Callback):
         """A run resumed from its last step trains nothing (Lightning skips on_train_end): the final evaluation
         the interrupted run did not finish (a scorer outage) runs here, before final/ is written."""
         if (self.after or self._due(trainer.global_step)) and trainer.global_step != self._last_step:
+            if not self._trained:  # the module's on_train_start did not run: lambda and an engine's weights
+                module.prepare_rollouts()
             with final_phase():
                 self._run(trainer, module, "after" if self.after else "during")
 

@@ -253,10 +253,13 @@ class ESModule(PolicyModule):
                             "other noise, so the run would not be the one it continues and its seed log could not "
                             f"rebuild it: resume on {self._restored_device}")
 
-    def on_train_start(self) -> None:
-        super().on_train_start()
+    def prepare_rollouts(self) -> None:
+        super().prepare_rollouts()
         if self.trainer.ckpt_path is not None:  # an engine with its own weights gets the resumed ones
             self.backend.sync()
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
         # A resumed run rewrites the history restored from its checkpoint, so its log is complete.
         if self.trainer.is_global_zero:
             write_seed_log(self.run_dir() / "seed_log.jsonl",

@@ -168,9 +168,12 @@ class GRPOModule(PolicyModule):
         return self.reference.model if self.reference is not None else None
 
     def on_train_start(self) -> None:
-        super().on_train_start()  # vLLM gets the adapter or a resumed run's weights after DeepSpeed's late restore
+        super().on_train_start()
         self._rollouts = [r.to(self.device) for r in self._rollouts]  # a resumed reuse window's (on_load_checkpoint)
         self._num_items = None if self._num_items is None else self._num_items.to(self.device)
+
+    def prepare_rollouts(self) -> None:
+        super().prepare_rollouts()  # here, not at fit start: after DeepSpeed's late restore
         if self.grpo.lora is not None or self.trainer.ckpt_path is not None:
             self.sync_engine()
 
