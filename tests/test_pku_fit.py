@@ -181,6 +181,25 @@ def test_a_run_resumed_at_its_last_step_evaluates_with_the_checkpoints_lambda(ti
     assert got["reward"] == want["reward"] and got["raw_reward"] == want["raw_reward"], (got, want)
 
 
+def test_a_step_that_fails_after_its_update_resumes_with_its_lambda(tiny_model, service, reference_run, tmp_path,
+                                                                   monkeypatch):
+    """The engine's push after iteration 1's update fails: the update is counted and interrupted.ckpt holds it, but
+    lambda adapted after that push, so the checkpoint held the lambda before it and the resumed run trained on
+    another fitness. Lambda moves with the update: the resume ends in the uninterrupted run's weights."""
+    monkeypatch.setenv("PYTHONPATH", str(FIXTURES))
+    out = run_esrl("fit", "--config", pku_config(tmp_path / "fail.yaml", tiny_model, service.url),
+                   "--trainer.default_root_dir", tmp_path / "failed",
+                   "--trainer.callbacks+=fail_after_update.FailAfterUpdate", "--trainer.callbacks.at=1")
+    assert out.returncode != 0 and "after_update failed at iteration 1" in out.stderr, out.stderr[-3000:]
+    (ckpt,) = (tmp_path / "failed").rglob("interrupted.ckpt")
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    assert state["global_step"] == 2 and state["esrl_lagrangian"]["steps"] == 2
+    monkeypatch.delenv("PYTHONPATH")
+    resumed = fit_final(pku_config(tmp_path / "resume.yaml", tiny_model, service.url), tmp_path / "failed",
+                        "--ckpt_path", ckpt)
+    assert_same_tensors(load_safetensors(reference_run), load_safetensors(resumed))
+
+
 def test_grpo_adapts_lambda_from_its_rollouts_costs(tiny_model, service, tmp_path):
     """GRPO trains on per-sample reward - lambda * cost and adapts lambda the same way after each step, logging the
     constraint metrics ES logs (GRPO logged no raw reward or safe fraction: its runs could not be compared on them)."""

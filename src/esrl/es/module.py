@@ -192,16 +192,16 @@ class ESModule(PolicyModule):
                     iteration=iteration)
             if self.trainer.is_global_zero:  # recorded with the update itself: a checkpoint saved if anything after
                 self._append_seed_log(iteration, members, shaped, alpha)  # fails holds one record per update
+            extra = {"train/bad_rewards": bad}  # members left out of the update for a NaN/inf reward
+            if self.constraint is not None:  # lambda moves with the update too (every rank holds all members' costs)
+                extra.update(self.adapt_lambda(*(float(scores[:, c].sum()) for c in (COST, RAW_REWARD, SAFE)),
+                                               len(members)))
             self.backend.after_update()
         if self.es.checksum_every and world > 1 and (iteration + 1) % self.es.checksum_every == 0:
             with self.timed("sync"):
                 self.check_drift(iteration)
 
-        extra = {"train/bad_rewards": bad}  # members left out of the update for a NaN/inf reward
         extra.update(completion_metrics(scores, functions))
-        if self.constraint is not None:  # every rank holds all members' costs: lambda stays equal across ranks
-            extra.update(self.adapt_lambda(*(float(scores[:, c].sum()) for c in (COST, RAW_REWARD, SAFE)),
-                                           len(members)))
         self._log_iteration(fitness, shaped, alpha, time.perf_counter() - start, extra)
 
     def check_drift(self, iteration: int) -> None:
