@@ -226,11 +226,13 @@ def test_the_evaluation_kl_reads_grpos_reference_not_a_second_copy(tiny_model, t
     assert evals[0]["kl"] == 0.0 and evals[-1]["kl"] > 0.0
 
 
-def test_a_sleeping_engine_sleeps_once_a_window_after_all_its_samples(grpo_config, tmp_path, monkeypatch):
+@pytest.mark.parametrize("shares", [True, False])
+def test_a_sleeping_engine_sleeps_once_a_window_after_all_its_samples(grpo_config, tmp_path, monkeypatch, shares):
     """rollout.vllm_sleep (vLLM on a GPU only, so a fake here: the HF engine declaring `sleeps` and recording its
     calls): a window of 2 micro-batches (kept for num_iterations 2 steps) samples both, then sleeps once, before any
-    log-probs. Each micro-batch's
-    sample once slept and the next woke the engine: a weights offload and reload per micro-batch."""
+    log-probs. Each micro-batch's sample once slept and the next woke the engine: a weights offload and reload per
+    micro-batch. An engine with its own weights (shares False) is woken by each step's push: it sleeps again where
+    the next step reuses the window (it stayed awake through the reused steps' backwards)."""
     from esrl.cli import EsrlCLI
     from esrl.data import PromptDataModule
     from esrl.module_factory import build_module
@@ -239,8 +241,9 @@ def test_a_sleeping_engine_sleeps_once_a_window_after_all_its_samples(grpo_confi
     calls = []
     generate = HFEngine.generate
     monkeypatch.setattr(HFEngine, "capabilities", property(lambda self: EngineCapabilities(
-        shares_policy_weights=True, row_adapters=False, sleeps=True)))
+        shares_policy_weights=shares, row_adapters=False, sleeps=True)))
     monkeypatch.setattr(HFEngine, "sleep", lambda self: calls.append("sleep"))
+    monkeypatch.setattr(HFEngine, "load_weights", lambda self, named: calls.append("push"), raising=False)
     monkeypatch.setattr(HFEngine, "generate", lambda self, *a, **k: calls.append(
         "sample" if not k.get("greedy", True) else "eval") or generate(self, *a, **k))
     cli = EsrlCLI(build_module, PromptDataModule, run=False, args=[
@@ -251,7 +254,8 @@ def test_a_sleeping_engine_sleeps_once_a_window_after_all_its_samples(grpo_confi
     cli.trainer.fit(cli.model, cli.datamodule)
     trained = [c for c in calls if c != "eval"]
     window = ["sample", "sample", "sleep"] + ["logps"] * 2 * (cli.model.grpo.beta > 0)
-    assert trained == window * 2, calls
+    assert cli.model.grpo.num_iterations == 2
+    assert trained == (window if shares else window + ["push", "sleep", "push"]) * 2, calls
 
 
 def test_per_token_logps_refuses_to_score_the_first_token(tiny_model):

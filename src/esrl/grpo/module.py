@@ -358,6 +358,8 @@ class GRPOModule(PolicyModule):
         if self._closes_window:  # else DeepSpeed, mid-window: its engine took no step (see training_step)
             check_weights((p for p in self.policy.parameters() if p.requires_grad), algo="GRPO", step=step)
             self.sync_engine()
+            if (step + 1) % self.grpo.num_iterations and not self.engine.capabilities.shares_policy_weights:
+                self.engine.sleep()  # the push woke it (vllm_sleep); the next step reuses this window: no sampling
             if self.constraint is not None:
                 self._adapt_lambda(step)
             self._log_times()
