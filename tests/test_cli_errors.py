@@ -45,6 +45,7 @@ def error_lines(out) -> list[str]:
     (["--trainer.precision", "bf16-true", "--model.policy.dtype", "fp32"],  # an alias: getattr(torch, 'fp32') raised
      "trainer.precision bf16-true with model.policy.dtype fp32: ES would perturb and update torch.bfloat16"),
     (["--model.rollout.stop", '[""]'], "model.rollout.stop: stop strings must be non-empty"),
+    (["--model.rollout.vllm_sleep", "true"], "model.rollout.vllm_sleep: GRPO's option"),  # was accepted, ignored
     (["--algo", "grpo", "--model.grpo.lora", "{layers: '5-9'}"],
      "model.grpo.lora.layers: '5-9' reaches past the model's 2 layers (0-1)"),  # not PEFT's "target modules"
     (["--model.es.mode", "lora", "--model.es.layers", "1-3"], "model.es.layers: '1-3' reaches past the model's 2"),

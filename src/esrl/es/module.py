@@ -47,6 +47,9 @@ class ESModule(PolicyModule):
         super().__init__(policy, rollout)
         self.es = es or ESConfig()
         self.es.validate()
+        if self.rollout_config.vllm_sleep:  # accepted and ignored, it promised memory ES never frees
+            raise ConfigError("model.rollout.vllm_sleep: GRPO's option (the engine sleeps through its backward); ES "
+                              "has no backward and generates all step long: set it false")
         self.mode = get_mode(self.es.mode)
         self.save_configs(es=self.es)
         self.automatic_optimization = False
