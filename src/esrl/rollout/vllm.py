@@ -244,13 +244,17 @@ class VLLMEngine(RolloutEngine):
             raise ConfigError(f"model.rollout.engine vllm: vLLM could not start an engine for {self.model_path}: "
                               f"{type(e).__name__}: {joined(e)}") from None
         self.max_model_len = kwargs["max_model_len"]  # a prompt and its completion fit it (check_context)
-        table = hf_param_table(self.model_path, hf_model)
-        self.hf_names = [n for n, _ in table]
-        with plain_tensor_defaults():
-            self.setup_info = self.llm.collective_rpc("esrl_setup", args=(table, self.model_path))
         self._next_lora_id = 1
         self._default_lora = None  # set_default_adapter: the adapter every plain generate uses
         self._asleep = False
+        table = hf_param_table(self.model_path, hf_model)
+        self.hf_names = [n for n, _ in table]
+        with plain_tensor_defaults():  # on CPU the plain weights come from hf_model where given: a hub id or a
+            # folder of .bin files has no safetensors folder for the workers to read them from
+            self.setup_info = self.llm.collective_rpc("esrl_setup",
+                                                      args=(table, self.model_path if hf_model is None else None))
+            if hf_model is not None and self.setup_info[0]["plain_cpu_weights"]:
+                self.load_weights(list(hf_model.named_parameters()))
 
     @staticmethod
     def capabilities_for(config: RolloutConfig, adapters: AdapterSpec | None) -> EngineCapabilities:

@@ -35,8 +35,9 @@ class WeightsWorkerExtension:
         return self.model_runner.get_model()
 
     @torch.no_grad()
-    def esrl_setup(self, hf_params: list[tuple[str, tuple[int, ...]]], model_path: str) -> dict[str, Any]:
-        """Map HF names onto this worker's tensors; on CPU, replace pre-packed weights by plain ones."""
+    def esrl_setup(self, hf_params: list[tuple[str, tuple[int, ...]]], model_path: str | None) -> dict[str, Any]:
+        """Map HF names onto this worker's tensors; on CPU, replace pre-packed weights by plain ones, refilled from
+        the safetensors in `model_path` (None: the caller pushes them, from the HF model it holds)."""
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
         from vllm.platforms import current_platform
 
@@ -46,7 +47,7 @@ class WeightsWorkerExtension:
         if current_platform.is_cpu():
             plain = _esrl_unpack_cpu(model)
         self._esrl_views = _esrl_build_views(model, hf_params, tp_rank, tp)
-        if plain:  # the packed kernels had the weights; put the checkpoint's back into the plain tensors
+        if plain and model_path is not None:  # the packed kernels had the weights: the checkpoint's back in place
             _esrl_load_checkpoint(self, model_path)
         return {"tp_rank": tp_rank, "tp": tp, "plain_cpu_weights": plain, "mapped": len(self._esrl_views)}
 
