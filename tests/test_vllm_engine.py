@@ -278,3 +278,11 @@ def test_member_adapters_on_a_gpu_in_float32_are_one_line_before_the_engine_star
                      AdapterSpec(4, (), "model.es.rank"))
     assert str(err.value).startswith("model.rollout.engine vllm: model.es.rank needs LoRA, which vLLM runs in "
                                      "float16 or bfloat16 on a GPU; the engine would run float32")
+
+
+@requires_vllm
+def test_what_the_worker_refuses_is_one_config_error(engine):
+    """The worker extension's refusals (a tensor-parallel split the model's heads do not allow, adapters past vLLM's
+    cache, no LoRA layer for a tensor) reached the terminal as tracebacks; here one the engine without LoRA gives."""
+    with pytest.raises(ConfigError, match=r"^model.rollout.engine vllm: the vLLM engine was started without LoRA"):
+        engine.remove_adapters([1])

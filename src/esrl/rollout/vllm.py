@@ -251,8 +251,7 @@ class VLLMEngine(RolloutEngine):
         self.hf_names = [n for n, _ in table]
         with plain_tensor_defaults():  # on CPU the plain weights come from hf_model where given: a hub id or a
             # folder of .bin files has no safetensors folder for the workers to read them from
-            self.setup_info = self.llm.collective_rpc("esrl_setup",
-                                                      args=(table, self.model_path if hf_model is None else None))
+            self.setup_info = self._rpc("esrl_setup", table, self.model_path if hf_model is None else None)
             if hf_model is not None and self.setup_info[0]["plain_cpu_weights"]:
                 self.load_weights(list(hf_model.named_parameters()))
 
@@ -287,6 +286,17 @@ class VLLMEngine(RolloutEngine):
         """The vLLM engine, woken first if it sleeps."""
         self.wake_up()
         return self.llm
+
+    def _rpc(self, method: str, *args: Any) -> list:
+        """esrl's worker extension's `method` on every worker. What it refuses (a tensor-parallel split the model's
+        heads do not allow, adapters past vLLM's cache, a tensor vLLM has no LoRA layer for) is one line naming the
+        engine, not a traceback."""
+        try:
+            return self._live().collective_rpc(method, args=args)
+        except RuntimeError as e:
+            if "esrl: " not in str(e):
+                raise
+            raise ConfigError(f"model.rollout.engine vllm: {str(e).split('esrl: ', 1)[1]}") from None
 
     # -- generation --------------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Prompt], *, max_new_tokens: int, greedy: bool = True,
@@ -356,11 +366,11 @@ class VLLMEngine(RolloutEngine):
             raise RuntimeError("esrl: row adapters on vLLM need an engine built with an AdapterSpec")
         ids = list(range(self._next_lora_id, self._next_lora_id + len(adapters)))
         self._next_lora_id += len(adapters)
-        self._live().collective_rpc("esrl_add_adapters", args=(list(zip(ids, adapters)),))
+        self._rpc("esrl_add_adapters", list(zip(ids, adapters)))
         return ids
 
     def remove_adapters(self, ids: Sequence[int]) -> None:
-        self._live().collective_rpc("esrl_remove_adapters", args=(list(ids),))
+        self._rpc("esrl_remove_adapters", list(ids))
 
     def set_default_adapter(self, adapter: dict[str, tuple[torch.Tensor, torch.Tensor]] | None) -> None:
         """The adapter every plain generate uses from now on; None goes back to the bare weights."""
@@ -380,8 +390,8 @@ class VLLMEngine(RolloutEngine):
     def load_weights(self, weights: dict[str, torch.Tensor] | Sequence[tuple[str, torch.Tensor]]) -> None:
         """Push HF-named tensors (e.g. the GRPO policy's after an optimizer step) into the engine."""
         items = list(weights.items()) if isinstance(weights, dict) else list(weights)
-        self._live().collective_rpc("esrl_load_weights", args=([(n, t.detach()) for n, t in items],))
+        self._rpc("esrl_load_weights", [(n, t.detach()) for n, t in items])
 
     def read_weights(self, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
         """The engine's weights under HF names (rank 0's shard under tensor parallelism)."""
-        return self._live().collective_rpc("esrl_read_weights", args=(None if names is None else list(names),))[0]
+        return self._rpc("esrl_read_weights", None if names is None else list(names))[0]
