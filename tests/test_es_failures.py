@@ -101,6 +101,18 @@ def test_a_run_whose_final_save_fails_keeps_its_interrupted_checkpoint(tiny_mode
     assert not spent.exists() and (tmp_path / "final" / "model.safetensors").is_file()
 
 
+def test_a_finished_run_spends_a_deepspeed_interrupted_checkpoint_folder(tiny_model, tmp_path):
+    """Under DeepSpeed interrupted.ckpt is a folder (DeepSpeed's layout, made by hand here: it runs on a GPU only):
+    the finished run's unlink raised IsADirectoryError after final/ was written. It is removed as a file is."""
+    from esrl.callbacks import Interruption
+
+    spent = tmp_path / "checkpoints" / "interrupted.ckpt"
+    (spent / "checkpoint").mkdir(parents=True)
+    (spent / "latest").write_text("checkpoint")
+    module = _fit(tiny_model, tmp_path, steps=1, callbacks=[Interruption()])
+    assert not hasattr(module, "error") and not spent.exists() and (tmp_path / "final").is_dir()
+
+
 def test_a_final_save_that_fails_part_way_leaves_no_final_folder(tiny_model, tmp_path):
     """transformers writes config.json before the weights, and sweeps and studies count a run with final/config.json
     as done (esrl.fit_runs.final_dir): a save that failed after it (here the tokenizer's, after the model's) left a

@@ -26,10 +26,17 @@ RESUMABLE = ("interrupted.ckpt", "last.ckpt")
 save_last."""
 
 
+def deepspeed_folder(path: Path) -> bool:
+    """A DeepSpeed checkpoint: Lightning saves one as a folder (DeepSpeed's `latest` file and its tag's folder)."""
+    return path.is_dir() and ((path / "latest").is_file() or (path / "checkpoint").is_dir())
+
+
 def run_checkpoints(root: str | Path) -> list[Path]:
-    """A run root's RESUMABLE checkpoints, in each lightning_logs/version_N/checkpoints/ (where both are saved)."""
+    """A run root's RESUMABLE checkpoints, in each lightning_logs/version_N/checkpoints/ (where both are saved): files,
+    or DeepSpeed's folders."""
     folders = Path(root).expanduser().glob("lightning_logs/version_*/checkpoints")
-    return [folder / name for folder in folders for name in RESUMABLE if (folder / name).is_file()]
+    return [folder / name for folder in folders for name in RESUMABLE
+            if (folder / name).is_file() or deepspeed_folder(folder / name)]
 
 
 def newest_checkpoint(paths: Iterable[Path]) -> Path | None:
@@ -70,7 +77,7 @@ def check_ckpt_path(ckpt_path: str | Path | None) -> None:
     if not path.exists():
         raise DataError(f"--ckpt_path {text}: no such file")
     if path.is_dir():  # a DeepSpeed checkpoint: Lightning reads its folder (DeepSpeed's `latest` and its tag's folder)
-        if not ((path / "latest").is_file() or (path / "checkpoint").is_dir()):
+        if not deepspeed_folder(path):
             model = (" It holds a Hugging Face model (config.json): start a run from it with "
                      "--model.policy.name_or_path; resume from a run's checkpoints/*.ckpt"
                      if (path / "config.json").is_file() else "")

@@ -22,13 +22,13 @@ from torch.optim.lr_scheduler import LRScheduler
 import esrl.es.strategy  # noqa: F401  registers the `es` strategy
 from esrl.callbacks import interruption
 from esrl.callbacks.interruption import EXIT_CODES
-from esrl.checkpoints import check_ckpt_path, check_root_dir, resolve_last
+from esrl.checkpoints import check_ckpt_path, check_root_dir, deepspeed_folder, resolve_last
 from esrl.data import PromptDataModule
 from esrl.config_files import MODE as CONFIG_MODE
 from esrl.errors import ConfigError, EsrlError, read_text
 from esrl.module_factory import build_module, fit_trainer_to_algo
 from esrl.parser_errors import help_hint, one_line
-from esrl.resume import config_file_arg, explicit_fields, load_for_plan, plan_resume, resumed_version
+from esrl.resume import ResumePlan, config_file_arg, explicit_fields, load_for_plan, plan_resume, resumed_version
 from esrl.needs import check as check_needs
 
 
@@ -72,6 +72,10 @@ class EsrlCLI(LightningCLI):
                                            written)
                 config.seed_everything = self._resume.seed
                 self._resume.run_dir = ckpt.get("esrl_run_dir") or str(Path(config.ckpt_path).parent.parent)
+            elif config.get("ckpt_path") and deepspeed_folder(Path(str(config.ckpt_path)).expanduser()):
+                # its settings are in DeepSpeed's files, not compared here; its run folder goes on (one history)
+                self._resume = ResumePlan({}, config.get("seed_everything"))
+                self._resume.run_dir = str(Path(config.ckpt_path).expanduser().parent.parent)
 
     def instantiate_classes(self) -> None:
         one_line_classes(super().instantiate_classes)

@@ -186,8 +186,8 @@ class Interruption(L.Callback):
         """The run finished: its interrupted.ckpt is spent (a restarted job must not resume from it). Not at
         on_fit_end, which Lightning calls on callbacks before the module's, where final/ is written: a run whose
         final save failed keeps its checkpoint (teardown hooks run only after a fit that ended without an error)."""
-        if stage == "fit" and trainer.is_global_zero:
-            (pl_module.run_dir() / "checkpoints" / CHECKPOINT).unlink(missing_ok=True)
+        if stage == "fit" and trainer.is_global_zero:  # a file, or a folder under DeepSpeed: Lightning removes both
+            trainer.strategy.checkpoint_io.remove_checkpoint(pl_module.run_dir() / "checkpoints" / CHECKPOINT)
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         old = pl_module.run_dir() / BEFORE_RESUME
