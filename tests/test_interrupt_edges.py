@@ -40,6 +40,21 @@ def test_a_signal_during_the_final_evaluation_stops_it_with_a_checkpoint_of_the_
     assert (run / "final" / "model.safetensors").is_file() and not ckpt.exists()
 
 
+def test_a_signal_noted_just_before_the_final_evaluation_stops_it_at_once(tiny_model, tmp_path, monkeypatch):
+    """A SIGTERM after the last step's check and before the final evaluation (during its ModelCheckpoint save) was
+    only noted: the whole evaluation ran, then the run stopped, and a scheduler's SIGKILL could land in it. Now the
+    evaluation does not start: interrupted.ckpt at the last step, exit 143, no final record in eval.jsonl."""
+    monkeypatch.setenv("PYTHONPATH", str(FIXTURES))
+    config = write_tiny_config(tmp_path / "es.yaml", tiny_model, max_steps=2, es={"population_size": 4})
+    out = run_esrl("fit", "--config", config, "--trainer.default_root_dir", tmp_path,
+                   "--trainer.callbacks+=signal_at_step.SignalAtTrainEnd")
+    assert out.returncode == 143, out.stderr[-3000:]
+    ckpt = _ckpt(tmp_path)
+    assert torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"] == 2
+    run = ckpt.parent.parent
+    assert [json.loads(line)["step"] for line in (run / "eval.jsonl").read_text().splitlines()] == [0]
+
+
 def test_a_sigterm_before_esrl_takes_the_signals_stops_at_a_step_boundary(tiny_model, tmp_path, monkeypatch):
     """Lightning's handler, in place from its data setup to the module's Interruption.on_train_start, took a SIGTERM
     there and stopped after the first batch: with GRPO's accumulation, inside a window, in a checkpoint whose resume

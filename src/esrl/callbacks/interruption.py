@@ -48,6 +48,7 @@ BEFORE_RESUME = "metrics.csv.before-resume"
 CHECKPOINT = "interrupted.ckpt"
 interrupted_by: str | None = None  # the signal that stopped the last fit in this process (read by esrl.cli)
 _final_phase = False  # while the final evaluation runs (final_phase)
+_active: Interruption | None = None  # the fit's Interruption, from its train start
 
 
 @contextmanager
@@ -55,8 +56,12 @@ def final_phase():
     """The evaluation after training's last step: a signal there stops it at once on one process (a scheduler's
     SIGTERM leaves minutes, a large model's evaluation may take longer) with interrupted.ckpt at the last step, whose
     resume runs the evaluation again; on several processes, whose collectives a stop inside a signal handler would
-    leave out of step, it is taken right after the evaluation (Interruption.on_fit_end)."""
-    global _final_phase
+    leave out of step, it is taken right after the evaluation (Interruption.on_fit_end). One noted before it began
+    (after the last step's check: during its ModelCheckpoint save) stops it before it starts, on one process."""
+    global _final_phase, interrupted_by
+    if _active is not None and _active._pending and _active._world_size == 1:
+        interrupted_by = SIGNALS[_active._pending]
+        raise SIGTERMException()  # Interruption.on_exception saves interrupted.ckpt
     _final_phase = True
     try:
         yield
@@ -92,8 +97,9 @@ class Interruption(L.Callback):
         self._world_size = 1
 
     def on_train_start(self, trainer, pl_module) -> None:
-        global interrupted_by
+        global interrupted_by, _active
         interrupted_by = None
+        _active = self
         self._pending = 0
         self._saved_at = None
         self._announce = trainer.is_global_zero  # one "stopping" line for a terminal's Ctrl+C to every rank
@@ -176,6 +182,7 @@ class Interruption(L.Callback):
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         global interrupted_by
+        self._release()
         if not isinstance(exception, SIGTERMException):  # a failure: esrl.callbacks.failure
             return
         interrupted_by = interrupted_by or "SIGTERM"
@@ -188,6 +195,14 @@ class Interruption(L.Callback):
         final save failed keeps its checkpoint (teardown hooks run only after a fit that ended without an error)."""
         if stage == "fit" and trainer.is_global_zero:  # a file, or a folder under DeepSpeed: Lightning removes both
             trainer.strategy.checkpoint_io.remove_checkpoint(pl_module.run_dir() / "checkpoints" / CHECKPOINT)
+        self._release()
+
+    def _release(self) -> None:
+        """The fit is over: a later fit in this process (resumed at its last step, so no train start) sees no
+        signal of this one's."""
+        global _active
+        if _active is self:
+            _active = None
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict[str, Any]) -> None:
         old = pl_module.run_dir() / BEFORE_RESUME
