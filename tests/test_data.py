@@ -51,3 +51,27 @@ def test_a_task_without_evaluation_rows_says_its_evaluations_score_the_training_
     with pytest.warns(UserWarning, match="data.task 'countdown' has no evaluation rows .* score the training prompts"):
         data = PromptDataModule("countdown", {"num_train": 8, "num_eval": 0})
     assert [r for b in data.eval_dataloader() for r in b["rows"]] == data.task.train_rows
+
+
+def test_a_position_saved_over_other_processes_or_micro_batches_is_refused_in_one_line():
+    """GRPO shards the prompts over its processes and counts each process's batches: a checkpoint 1 batch into its
+    epoch on 2 processes, resumed on 1, skipped half the prompts left in that epoch (each rank replayed the count
+    against its new shard). Refused, naming both layouts; a position at an epoch's start, or an older checkpoint
+    without its layout, resumes as before."""
+    import lightning as L
+
+    from esrl.data import PromptDataModule
+    from esrl.errors import ConfigError
+
+    def loader(state):
+        data = PromptDataModule("countdown", {"num_train": 8, "num_eval": 2}, prompts_per_step=2)
+        data.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+        data.load_state_dict(state)
+        return data.train_dataloader()
+
+    with pytest.raises(ConfigError, match=r"^--ckpt_path: saved 1 batches into its epoch with the prompts over 2 "
+                                          r"processes and trainer.accumulate_grad_batches 1; resumed with 1 and 1"):
+        loader({"epoch": 0, "batches": 1, "replicas": 2, "micro_batches": 1})
+    for fine in ({"epoch": 1, "batches": 0, "replicas": 2, "micro_batches": 1}, {"epoch": 0, "batches": 1},
+                 {"epoch": 0, "batches": 1, "replicas": 1, "micro_batches": 1}):
+        assert loader(fine) is not None

@@ -136,7 +136,8 @@ def test_a_checkpoint_saved_when_a_step_fails_resumes_with_that_steps_prompt(tin
     assert "rewards failed" in str(failed.error)
     (saved,) = (tmp_path / "ckpt").glob("*.ckpt")
     ckpt = torch.load(saved, map_location="cpu", weights_only=False)
-    assert ckpt["global_step"] == 1 and ckpt["PromptDataModule"] == {"epoch": 0, "batches": 1}
+    assert ckpt["global_step"] == 1
+    assert ckpt["PromptDataModule"] == {"epoch": 0, "batches": 1, "replicas": 1, "micro_batches": 1}
     resumed = _fit(tiny_model, tmp_path / "resumed", steps=3, ckpt_path=str(saved))
     assert not hasattr(resumed, "error")
     after = dict(resumed.policy.named_parameters())
@@ -194,5 +195,6 @@ def test_a_final_save_that_fails_on_rank_0_ends_every_rank(tiny_model, tmp_path)
     (tmp_path / "run" / "final").write_text("in the way")
     out = run_esrl("fit", "--config", config, "--trainer.default_root_dir", tmp_path / "run", timeout=240)
     assert out.returncode != 0 and "NotADirectoryError" in out.stderr, out.stderr[-3000:]
-    assert f"esrl: error [rank 1]: rank 0 could not write {tmp_path / 'run' / 'final'}" in out.stderr, out.stderr[-3000:]
+    line = f"esrl: error [rank 1]: rank 0 could not write {tmp_path / 'run' / 'final'}"
+    assert line in out.stderr, out.stderr[-3000:]
     assert (tmp_path / "run" / "final").read_text() == "in the way"

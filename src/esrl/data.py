@@ -9,7 +9,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from esrl.errors import require
+from esrl.errors import ConfigError, require
 from esrl.tasks import Task, build_task
 
 
@@ -103,6 +103,8 @@ class PromptDataModule(L.LightningDataModule):
         self._committed = (0, 0)  # the same, up to the last batch whose optimizer step completed
         self._handed_at: int | None = None  # trainer.global_step when the last batch was handed over
         self._resume: tuple[int, int] | None = None
+        self._layout: tuple[int, int] = (1, 1)  # (processes sharing the prompts, micro-batches a step) of this run
+        self._resumed_layout: tuple[int | None, int | None] = (None, None)  # the checkpoint's (older ones: None)
 
     def train_dataloader(self) -> DataLoader:
         kwargs = {"num_replicas": 1, "rank": 0}
@@ -117,8 +119,10 @@ class PromptDataModule(L.LightningDataModule):
                 f"over {replicas} processes give each only {-(-n // replicas)}")
         self._sampler = PromptSampler(n, self.shuffle, self.seed, **kwargs, window_size=batch_size,
                                       window_repeats=micro_batches)
+        self._layout = (replicas, micro_batches)
         if self._resume is not None:
             epoch, batches = self._resume
+            self._check_layout(batches)
             self._sampler.resume_at = (epoch, batches * batch_size)
             self._resume = None
         return DataLoader(_Rows(self.task.train_rows), batch_size=batch_size, sampler=self._sampler,
@@ -153,12 +157,24 @@ class PromptDataModule(L.LightningDataModule):
         not past them."""
         stepped = self._handed_at is None or self.trainer is None or self.trainer.global_step > self._handed_at
         epoch, batches = self._consumed if stepped else self._committed
-        return {"epoch": epoch, "batches": batches}
+        return {"epoch": epoch, "batches": batches, "replicas": self._layout[0], "micro_batches": self._layout[1]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._consumed = self._committed = (state["epoch"], state["batches"])
         self._handed_at = None
         self._resume = self._consumed
+        self._resumed_layout = (state.get("replicas"), state.get("micro_batches"))
+
+    def _check_layout(self, batches: int) -> None:
+        """The position counts this process's batches of its shard: read with another number of processes or
+        micro-batches it would skip or repeat prompts of the epoch (GRPO; ES shares its prompts, one replica)."""
+        (replicas, micro), (old_replicas, old_micro) = self._layout, self._resumed_layout
+        if not batches or old_replicas is None or (old_replicas, old_micro) == (replicas, micro):
+            return
+        raise ConfigError(f"--ckpt_path: saved {batches} batches into its epoch with the prompts over {old_replicas} "
+                          f"processes and trainer.accumulate_grad_batches {old_micro}; resumed with {replicas} and "
+                          f"{micro}, it would skip or repeat prompts: resume with {old_replicas} processes "
+                          f"(trainer.devices x num_nodes) and accumulate_grad_batches {old_micro}")
 
 
 class _Rows(torch.utils.data.Dataset):
