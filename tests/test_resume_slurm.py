@@ -145,6 +145,42 @@ def test_resume_plan_keeps_the_checkpoints_values_and_lets_safe_ones_win():
         plan_resume("x.ckpt", ckpt, {**given, "algo": "grpo"})
 
 
+def test_resume_plan_edges_sections_seeds_scorers_and_unwritten_speed_fields():
+    """A LoRA section against a checkpoint without one (or the reverse, written) is a conflict: flattened, the two
+    shared no field and the checkpoint's silently won. A speed field left at its default is the checkpoint's (it was
+    reset: gradient checkpointing off, an OOM). A run seeded by model.es.seed resumes under a config with
+    seed_everything 0 (it read the noise seed as seed_everything). A scorer's address, token or timeout may change
+    (a service restarted elsewhere); what it scores may not."""
+    from esrl.errors import ConfigError
+    from esrl.resume import explicit_fields, plan_resume
+
+    lora = {"rank": 8, "alpha": 16}
+    grpo = {"hyper_parameters": {"grpo": {"lora": None, "gradient_checkpointing": True}},
+            "esrl_grpo": {"run_seed": 0}}
+    given = {"algo": "grpo", "seed_everything": 0, "model": {"grpo": {"lora": lora, "gradient_checkpointing": False}}}
+    with pytest.raises(ConfigError, match=r"model.grpo.lora None in the checkpoint, \{'rank': 8, 'alpha': 16\} given"):
+        plan_resume("x.ckpt", grpo, given)
+    plan = plan_resume("x.ckpt", grpo, {**given, "model": {"grpo": {"gradient_checkpointing": False}}})
+    assert plan.overrides == {}  # not written: the checkpoint's True
+    with_lora = {"hyper_parameters": {"grpo": {"lora": lora}}, "esrl_grpo": {"run_seed": 0}}
+    none = {**given, "model": {"grpo": {"lora": None}}}
+    assert plan_resume("x.ckpt", with_lora, none).overrides == {}  # not written: the checkpoint's adapter
+    with pytest.raises(ConfigError, match=r"model.grpo.lora \{'rank': 8, 'alpha': 16\} in the checkpoint, None"):
+        plan_resume("x.ckpt", with_lora, none, explicit=explicit_fields(["fit", "--model.grpo.lora", "null"]))
+
+    seeded = {"hyper_parameters": {"es": {"seed": 7}}, "esrl_es": {"noise_seed": 7}}
+    es = {"algo": "es", "seed_everything": 0, "model": {"es": {}}}
+    assert plan_resume("x.ckpt", seeded, es, explicit=explicit_fields(["fit", "--seed_everything", "0"])).seed == 0
+
+    args = {"scorer": "http://node-a:8000", "token": "t", "timeout": 60, "num_train": 64}
+    pku = {"hyper_parameters": {"es": {}}, "esrl_es": {"noise_seed": 0},
+           "datamodule_hyper_parameters": {"task": "pku_saferlhf", "task_args": args}}
+    moved = {**args, "scorer": "http://node-b:8000", "token": "u", "timeout": 120}
+    plan_resume("x.ckpt", pku, {**es, "data": {"task": "pku_saferlhf", "task_args": moved}})
+    with pytest.raises(ConfigError, match="data.task_args"):
+        plan_resume("x.ckpt", pku, {**es, "data": {"task": "pku_saferlhf", "task_args": {**moved, "num_train": 8}}})
+
+
 def test_a_value_typed_equal_to_the_default_is_given_too(tmp_path):
     """`--model.es.alpha 5e-4` (the default) or `alpha: 5e-4` in a --config / -c file or a global config's `fit:`
     against a checkpoint trained with 0.02 is a conflict, not silently the checkpoint's; unwritten: the checkpoint's."""

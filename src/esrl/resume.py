@@ -7,7 +7,8 @@ LightningCLI restores the model's hyperparameters from the checkpoint over the p
 - equal to the checkpoint's value: nothing to say;
 - left at its default and not written by the user (no flag, no key in a --config / -c file or a global config's
   `fit:` section): the checkpoint's value is used (resuming needs no config but the checkpoint);
-- given and different, a field in MAY_CHANGE (speed or bookkeeping, not what is trained): the given value wins;
+- written and different, a field in MAY_CHANGE (speed or bookkeeping, not what is trained), or a scorer's
+  connection among data.task_args (SCORER_CONNECTION): the given value wins;
 - given and different, any other field: the run stops with one line listing each such field and both values.
 
 The data section (not restored by Lightning) and the run seed are compared the same way, except that a data field
@@ -33,6 +34,9 @@ MAY_CHANGE = frozenset({
     "model.grpo.gradient_checkpointing", "data.eval_batch_size",
 })
 _DATA_FIELDS = ("task", "task_args", "prompts_per_step", "shuffle", "seed", "eval_batch_size")
+SCORER_CONNECTION = frozenset({"scorer", "token", "timeout", "retries", "backoff", "max_items", "max_chars", "device"})
+"""data.task_args a resumed run may change: where and how a scorer is reached, not what it scores (a scorer service
+restarted on another node after an outage has another address)."""
 SUBCOMMANDS = ("fit", "validate", "test")
 
 
@@ -110,6 +114,8 @@ def explicit_fields(args: list[str]) -> frozenset[str]:
 
 
 def _same(field: str, a: Any, b: Any) -> bool:
+    if field == "data.task_args" and isinstance(a, dict) and isinstance(b, dict):
+        a, b = ({k: v for k, v in d.items() if k not in SCORER_CONNECTION} for d in (a, b))
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return list(a) == list(b)
     if field == "model.policy.name_or_path" and a != b:  # one folder spelt two ways (relative, a symlink)
@@ -118,6 +124,22 @@ def _same(field: str, a: Any, b: Any) -> bool:
     if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
         return float(a) == float(b)
     return a == b
+
+
+def _sections_against_values(saved: dict[str, Any], given: dict[str, Any]) -> tuple[dict, dict]:
+    """Flat fields where one side has a section and the other a plain value (`model.grpo.lora`: its rank, alpha...
+    against None) regrouped on the section's side into one dict, so the two compare: flattened, they shared no name
+    and the checkpoint's silently won (LoRA added to, or dropped from, a resumed run)."""
+    def regroup(flat: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+        out = dict(flat)
+        for name, value in other.items():
+            children = {k[len(name) + 1:]: v for k, v in flat.items() if k.startswith(name + ".")}
+            if not isinstance(value, dict) and children and name not in flat:
+                out = {k: v for k, v in out.items() if not k.startswith(name + ".")}
+                out[name] = children
+        return out
+
+    return regroup(saved, given), regroup(given, saved)
 
 
 def checkpoint_algo(ckpt: dict[str, Any]) -> str | None:
@@ -166,19 +188,22 @@ def plan_resume(ckpt_path: str, ckpt: dict[str, Any], config: dict[str, Any], se
     sections.append((data_ckpt, {f"data.{k}": v for k, v in (config.get("data") or {}).items()}, _data_defaults(),
                      True))
     for saved, given, defaults, default_conflicts in sections:
+        saved, given = _sections_against_values(saved, given)
         for field, old in saved.items():
             if field not in given or _same(field, old, given[field]):
                 continue
             new = given[field]
+            written = field in explicit or field not in defaults or not _same(field, new, defaults[field])
             if field in MAY_CHANGE:
-                overrides[field] = new
-            elif (default_conflicts or field in explicit or field not in defaults
-                  or not _same(field, new, defaults[field])):
+                if written:  # yours, not a default your config left out (the checkpoint's then)
+                    overrides[field] = new
+            elif default_conflicts or written:
                 conflicts.append(f"{field} {old!r} in the checkpoint, {new!r} given")
     seed = config.get("seed_everything")
     saved_seed = checkpoint_seed(ckpt)
     own_seed = (config.get("model") or {}).get(algo or "es", {}) or {}
-    if saved_seed is not None and own_seed.get("seed") is None and seed != saved_seed:
+    saved_own = ((ckpt.get("hyper_parameters") or {}).get(algo or "es") or {}).get("seed")  # its model.<algo>.seed
+    if saved_seed is not None and own_seed.get("seed") is None and saved_own is None and seed != saved_seed:
         if seed is None or isinstance(seed, bool) or (seed == seed_default and "seed_everything" not in explicit):
             seed = saved_seed  # not given (or `true`, a random one): the checkpoint's
         else:
