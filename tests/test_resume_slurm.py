@@ -203,6 +203,25 @@ def test_a_value_typed_equal_to_the_default_is_given_too(tmp_path):
     assert "model.es.alpha" not in explicit_fields(["-c", str(global_config), "validate"])  # not validate's section
 
 
+def test_a_ckpt_path_written_with_a_tilde_restores_the_checkpoints_settings(slurm_run, tiny_model, tmp_path,
+                                                                            monkeypatch):
+    """`--ckpt_path=~/...` (no shell expands a tilde after `=`, nor in a YAML value): esrl's checks read the file, but
+    LightningCLI's restore of the checkpoint's hyperparameters did not find it, so every model field the config left
+    out took its default (here alpha 5e-4 and sigma 1e-3 for the checkpoint's 0.02 and 0.05) without a word."""
+    from conftest import write_tiny_config
+
+    from esrl.cli import EsrlCLI
+    from esrl.data import PromptDataModule
+    from esrl.module_factory import build_module
+
+    last = slurm_run["version"] / "checkpoints" / "last.ckpt"
+    monkeypatch.setenv("HOME", str(last.parent))
+    config = write_tiny_config(tmp_path / "c.yaml", tiny_model, max_steps=STEPS)  # no es section
+    cli = EsrlCLI(build_module, PromptDataModule, args=["fit", "--config", str(config), "--ckpt_path=~/last.ckpt",
+                                                        "--trainer.default_root_dir", str(tmp_path / "runs")])
+    assert (cli.model.es.alpha, cli.model.es.sigma, cli.model.es.population_size) == (0.02, 0.05, 4)
+
+
 def test_ckpt_path_last_is_the_newest_checkpoint_of_the_root_or_one_line(slurm_run, config, tmp_path):
     """`--ckpt_path last` trained from step 0 with exit 0 (Lightning looked in this fit's new version folder). Now
     the root's newest version_*/checkpoints/{last,interrupted}.ckpt: conflicts checked, its folder continued."""

@@ -64,6 +64,8 @@ class EsrlCLI(LightningCLI):
             if config.get("ckpt_path") == "last":  # the run root's newest, not Lightning's (esrl.checkpoints)
                 config.ckpt_path = resolve_last(config.trainer.as_dict())
             check_ckpt_path(config.get("ckpt_path"))
+            if str(config.get("ckpt_path") or "").startswith("~"):  # LightningCLI's restore of the checkpoint's
+                config.ckpt_path = str(Path(config.ckpt_path).expanduser())  # settings reads the path unexpanded
             # What the user gave vs the checkpoint's settings (esrl.resume): conflicts stop here, in one line.
             ckpt = load_for_plan(config.ckpt_path) if config.get("ckpt_path") else None
             if ckpt is not None:

@@ -193,7 +193,9 @@ def plan_resume(ckpt_path: str, ckpt: dict[str, Any], config: dict[str, Any], se
             if field not in given or _same(field, old, given[field]):
                 continue
             new = given[field]
-            written = field in explicit or field not in defaults or not _same(field, new, defaults[field])
+            section = any(k.startswith(field + ".") for k in defaults)  # `model.es: null`: the default section
+            written = (field in explicit or (field in defaults and not _same(field, new, defaults[field]))
+                       or (field not in defaults and not section))
             if field in MAY_CHANGE:
                 if written:  # yours, not a default your config left out (the checkpoint's then)
                     overrides[field] = new
