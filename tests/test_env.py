@@ -32,10 +32,27 @@ def test_env_names_an_esrl_cache_on_a_file_and_exits_non_zero(tmp_path, monkeypa
             "point ESRL_CACHE at a writable folder"]
 
 
-def test_env_configs_prints_the_shipped_configs_folder():
+def test_env_configs_prints_the_shipped_configs_folder(tmp_path):
+    """The folder itself, not the editable install's link to it (`cp -r "$(esrl env --configs)" .` copied a link
+    relative to the package, broken where it landed)."""
+    import subprocess
+
     out = run_esrl("env", "--configs")
     assert out.returncode == 0 and (ROOT / "configs" / "demo" / "es_conciseness.yaml").samefile(
         out.stdout.strip() + "/demo/es_conciseness.yaml")
+    subprocess.run(["cp", "-r", out.stdout.strip(), str(tmp_path / "mine")], check=True)
+    assert (tmp_path / "mine" / "demo" / "es_conciseness.yaml").is_file()
+
+
+def test_a_grpo_configs_deepspeed_is_no_need_under_algo_es():
+    """`esrl fit --algo es` runs a GRPO config's DeepSpeed strategy as `es`; `esrl env --algo es` asked for deepspeed
+    and a GPU all the same (exit 2 on a CPU machine the fit runs on)."""
+    from esrl import needs
+
+    trainer = {"strategy": "deepspeed_stage_2", "accelerator": "cpu"}
+    assert not [n for n in needs.local_needs({"algo": "es", "trainer": trainer}) if "deepspeed" in n.field]
+    assert [n.what for n in needs.local_needs({"algo": "grpo", "trainer": trainer}) if "deepspeed" in n.field] == [
+        "deepspeed", "a CUDA GPU"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine the GPU need is met")

@@ -24,7 +24,8 @@ PACKAGES = {"torch": ["torch"], "transformers": ["transformers"], "accelerate": 
 
 def configs_dir() -> Path:
     """The shipped configs: inside the installed package (a wheel), or the checkout's configs/ (editable)."""
-    return Path(__file__).resolve().parent / "configs"
+    return (Path(__file__).resolve().parent / "configs").resolve()  # editable: a link to the checkout's, resolved
+    # (`cp -r "$(esrl env --configs)" .` copied the link)
 
 
 def version(module: str) -> str:

