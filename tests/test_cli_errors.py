@@ -44,6 +44,9 @@ def error_lines(out) -> list[str]:
      "trainer.precision bf16-true with model.policy.dtype float32: ES would perturb and update torch.bfloat16"),
     (["--trainer.precision", "bf16-true", "--model.policy.dtype", "fp32"],  # an alias: getattr(torch, 'fp32') raised
      "trainer.precision bf16-true with model.policy.dtype fp32: ES would perturb and update torch.bfloat16"),
+    (["--trainer.precision", "64-true"], "trainer.precision 64-true: ES runs 32-true"),  # trained fp64, exported fp32
+    (["--model.es.mode", "lora", "--trainer.precision", "bf16-true", "--model.policy.dtype", "bf16"],
+     "trainer.precision bf16-true with model.es.mode lora: the adapter ES trains is float32"),  # converted to bf16
     (["--model.rollout.stop", '[""]'], "model.rollout.stop: stop strings must be non-empty"),
     (["--model.rollout.vllm_sleep", "true"], "model.rollout.vllm_sleep: GRPO's option"),  # was accepted, ignored
     (["--algo", "grpo", "--model.grpo.lora", "{layers: '5-9'}"],

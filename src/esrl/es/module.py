@@ -84,6 +84,14 @@ class ESModule(PolicyModule):
                               "to autocast; fp16's grad scaler would rescale the ES gradient); set model.policy.dtype "
                               "and use 32-true or bf16-true")
         converted = precision_dtype(self.trainer)  # a true half precision converts the loaded weights
+        if converted is None and str(self.trainer.precision) != "32-true":  # 64-true, transformer-engine...
+            raise ConfigError(f"trainer.precision {self.trainer.precision}: ES runs 32-true (weights in "
+                              "model.policy.dtype) or the true half precision of model.policy.dtype; `esrl export` "
+                              "rebuilds the weights in model.policy.dtype")
+        if converted is not None and self.es.mode == "lora":  # Lightning would convert PEFT's float32 adapter too
+            raise ConfigError(f"trainer.precision {self.trainer.precision} with model.es.mode lora: the adapter ES "
+                              "trains is float32 (PEFT's, as `esrl export` rebuilds it) and would be converted; set "
+                              "model.policy.dtype bfloat16 (the base) and trainer.precision 32-true")
         if converted is not None and converted != DTYPES[self.policy_config.dtype]:  # bf16 is no torch attribute
             raise ConfigError(f"trainer.precision {self.trainer.precision} with model.policy.dtype "
                               f"{self.policy_config.dtype}: ES would perturb and update {converted} weights while "
