@@ -222,6 +222,27 @@ def test_a_ckpt_path_written_with_a_tilde_restores_the_checkpoints_settings(slur
     assert (cli.model.es.alpha, cli.model.es.sigma, cli.model.es.population_size) == (0.02, 0.05, 4)
 
 
+def test_a_run_resumed_at_its_max_steps_rewrites_its_seed_log_to_the_checkpoint(slurm_run, config, tmp_path):
+    """Resumed from step 2 with max_steps 2, a run trains nothing (Lightning skips the train hooks) but writes
+    final/ at step 2; its seed log, rewritten at train start, kept the 5 records of the run it came from, so
+    `esrl export` (its last step by default) rebuilt another model than final/."""
+    import shutil
+
+    from esrl.cli import EsrlCLI
+    from esrl.data import PromptDataModule
+    from esrl.module_factory import build_module
+
+    version = tmp_path / "lightning_logs" / "version_0"
+    shutil.copytree(slurm_run["version"], version)
+    assert len((version / "seed_log.jsonl").read_text().splitlines()) == 1 + STEPS
+    cli = EsrlCLI(build_module, PromptDataModule, args=["fit", "--config", str(config), "--trainer.max_steps", "2",
+                                                        "--ckpt_path", str(version / "checkpoints" / "step=2.ckpt"),
+                                                        "--trainer.default_root_dir", str(tmp_path)])
+    run = Path(cli.trainer.log_dir)
+    assert (run / "final" / "config.json").is_file()
+    assert [json.loads(line).get("t") for line in (run / "seed_log.jsonl").read_text().splitlines()] == [None, 0, 1]
+
+
 def test_ckpt_path_last_is_the_newest_checkpoint_of_the_root_or_one_line(slurm_run, config, tmp_path):
     """`--ckpt_path last` trained from step 0 with exit 0 (Lightning looked in this fit's new version folder). Now
     the root's newest version_*/checkpoints/{last,interrupted}.ckpt: conflicts checked, its folder continued."""

@@ -263,20 +263,18 @@ class ESModule(PolicyModule):
                             f"their noise on {self._restored_device}; on {self.noise_device()} the same seeds draw "
                             "other noise, so the run would not be the one it continues and its seed log could not "
                             f"rebuild it: resume on {self._restored_device}")
-
-    def prepare_rollouts(self) -> None:
-        super().prepare_rollouts()
-        if self.trainer.ckpt_path is not None:  # an engine with its own weights gets the resumed ones
-            self.backend.sync()
-
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        # A resumed run rewrites the history restored from its checkpoint, so its log is complete.
+        # A resumed run rewrites the history restored from its checkpoint, so its log is complete: here, not at train
+        # start, which a run resumed at (or past) its max_steps skips while its final/ is still written.
         if self.trainer.is_global_zero:
             write_seed_log(self.run_dir() / "seed_log.jsonl",
                            make_header(self.es, self.noise_seed, self.policy_config, self.base_fingerprint,
                                        self.noise_device()),
                            self.seed_log_records)
+
+    def prepare_rollouts(self) -> None:
+        super().prepare_rollouts()
+        if self.trainer.ckpt_path is not None:  # an engine with its own weights gets the resumed ones
+            self.backend.sync()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)

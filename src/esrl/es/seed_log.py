@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from esrl.atomic_files import write_text
 from esrl.errors import DataError, EsrlError, read_text
 from esrl.models.loading import DTYPES
 
@@ -49,11 +50,10 @@ def make_record(iteration: int, shaped: torch.Tensor, alpha: float, sigma: float
 
 
 def write_seed_log(path: Path, header: dict[str, Any], records: list[dict[str, Any]]) -> None:
-    """Write the header and the records so far (a resumed run rewrites the history it restored)."""
+    """Write the header and the records so far (a resumed run rewrites the history it restored), replacing the file
+    whole: a kill mid-write leaves the old log, not a truncated one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for item in [header, *records]:
-            f.write(json.dumps(item) + "\n")
+    write_text(path, "".join(json.dumps(item) + "\n" for item in [header, *records]))
 
 
 def append_record(path: Path, record: dict[str, Any]) -> None:
