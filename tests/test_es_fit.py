@@ -121,8 +121,9 @@ def test_resume_from_mid_epoch_equals_uninterrupted(es_config, reference_run, tm
 def test_export_from_seed_log_equals_final_weights(tiny_model, reference_run, tmp_path):
     log = reference_run.parent.parent / "seed_log.jsonl"
     out = run_esrl("export", "--seed-log", log, "--base", tiny_model, "--out", tmp_path / "rebuilt")
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0 and "warning" not in out.stderr, out.stderr[-3000:]
     assert_same_tensors(load_safetensors(reference_run), load_safetensors(tmp_path / "rebuilt" / "model.safetensors"))
+    assert json.loads(log.read_text().splitlines()[0])["noise_source"] == "cpu"
     out = run_esrl("export", "--seed-log", log, "--base", tiny_model, "--step", "0", "--out", tmp_path / "base")
     assert out.returncode == 0, out.stderr[-3000:]
     assert_same_tensors(load_safetensors(Path(tiny_model) / "model.safetensors"),
@@ -194,3 +195,16 @@ def test_export_checks_the_base_and_rebuilds_steps_before_a_torn_line(tiny_model
     export(str(old), str(tmp_path / "old"), other, 1)
     err = capsys.readouterr().err
     assert "records no base fingerprint (an older log): cannot check" in err and "records no device" in err
+
+
+def test_noise_drawn_on_another_gpu_model_is_named():
+    """torch's CUDA generator sizes its grid by the chip's SMs, so an H100 SXM and an H100 PCIe draw other numbers
+    from one seed for large tensors: the seed log and checkpoints record the model (esrl.es.noise.noise_source), and
+    an export or resume elsewhere says so. The GPU side: tests/test_gpu.py."""
+    from esrl.es.noise import noise_source, other_noise_source
+
+    assert noise_source("cpu") == "cpu" and other_noise_source(None, "cpu") is None
+    sxm = "cuda: NVIDIA H100 80GB HBM3, 132 SMs, 2048 threads/SM"
+    pcie = "cuda: NVIDIA H100 PCIe, 114 SMs, 2048 threads/SM"
+    assert other_noise_source(sxm, sxm) is None
+    assert other_noise_source(sxm, pcie).startswith(f"the noise was drawn on {sxm}; here {pcie}")

@@ -72,7 +72,8 @@ def test_an_es_fit_on_cuda_exports_from_its_seed_log_to_its_final_weights(qwen, 
     fit_weights(qwen, tmp_path / "fit", mode)
     (log,) = (tmp_path / "fit").rglob("seed_log.jsonl")
     (final,) = (tmp_path / "fit").rglob("final/model.safetensors")
-    assert json.loads(log.read_text().splitlines()[0])["device"] == "cuda"
+    header = json.loads(log.read_text().splitlines()[0])
+    assert header["device"] == "cuda" and header["noise_source"].startswith(f"cuda: {torch.cuda.get_device_name()}")
     out = export(str(log), str(tmp_path / "export"), qwen)
     assert_same_tensors(load_safetensors(final), load_safetensors(out / "model.safetensors"))
 

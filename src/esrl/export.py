@@ -12,6 +12,7 @@ from esrl.checkpoints import check_root_dir
 from esrl.errors import ConfigError, DataError
 from esrl.es.fingerprint import weights_fingerprint
 from esrl.es.modes import get_mode
+from esrl.es.noise import noise_source, other_noise_source
 from esrl.es.seed_log import read_seed_log, replay
 from esrl.models import load_causal_lm, load_tokenizer
 
@@ -41,6 +42,9 @@ def replay_device(header: dict, seed_log: str) -> str:
     if device != "cpu" and not getattr(torch, device).is_available():
         raise DataError(f"{seed_log}: the run drew its noise on {device}, whose generator the CPU's does not "
                         f"repeat; export it on a machine with {device}")
+    if why := other_noise_source(header.get("noise_source"), noise_source(device)):
+        print(f"esrl export: warning: {seed_log}: {why}; export on that GPU model, or compare with the run's final/",
+              file=sys.stderr)
     return device
 
 

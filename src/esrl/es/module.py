@@ -16,7 +16,7 @@ from esrl.es.engines import es_backend
 from esrl.es.fingerprint import weights_fingerprint
 from esrl.es.member_scores import COST, FITNESS, RAW_REWARD, SAFE, completion_metrics, member_table, width
 from esrl.es.modes import get_mode
-from esrl.es.noise import drawn_once, population
+from esrl.es.noise import drawn_once, noise_source, other_noise_source, population
 from esrl.es.population_hooks import member_chunks
 from esrl.es.seed_log import append_record, make_header, make_record, write_seed_log
 from esrl.es.setup import build_optimizer, build_policy, build_selection
@@ -58,6 +58,7 @@ class ESModule(PolicyModule):
         self.base_fingerprint: str | None = None  # esrl.es.fingerprint of the loaded base, for the seed log
         self.seed_log_records: list[dict[str, Any]] = []
         self._restored_device: str | None = None  # the device type of a resumed checkpoint's noise
+        self._restored_source: str | None = None  # and its GPU model (esrl.es.noise.noise_source)
         self._bad_sources: set[str] = set()  # reward functions that gave non-finite values this iteration
 
     def configure_model(self) -> None:
@@ -263,12 +264,16 @@ class ESModule(PolicyModule):
                             f"their noise on {self._restored_device}; on {self.noise_device()} the same seeds draw "
                             "other noise, so the run would not be the one it continues and its seed log could not "
                             f"rebuild it: resume on {self._restored_device}")
+        if self.seed_log_records and (why := other_noise_source(self._restored_source,
+                                                                 noise_source(self.selection.params[0].device))):
+            rank_zero_warn(f"--ckpt_path {self.trainer.ckpt_path}: {why}; the run goes on, but no single GPU model "
+                           "can replay its whole seed log (`esrl export`)")
         # A resumed run rewrites the history restored from its checkpoint, so its log is complete: here, not at train
         # start, which a run resumed at (or past) its max_steps skips while its final/ is still written.
         if self.trainer.is_global_zero:
             write_seed_log(self.run_dir() / "seed_log.jsonl",
                            make_header(self.es, self.noise_seed, self.policy_config, self.base_fingerprint,
-                                       self.noise_device()),
+                                       self.noise_device(), noise_source(self.selection.params[0].device)),
                            self.seed_log_records)
 
     def prepare_rollouts(self) -> None:
@@ -279,12 +284,14 @@ class ESModule(PolicyModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
         checkpoint["esrl_es"] = {"noise_seed": self.noise_seed, "seed_log": self.seed_log_records,
-                                 "device": self.noise_device()}
+                                 "device": self.noise_device(),
+                                 "noise_source": noise_source(self.selection.params[0].device)}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
         self.seed_log_records = list(checkpoint.get("esrl_es", {}).get("seed_log", []))
         self._restored_device = checkpoint.get("esrl_es", {}).get("device")  # older checkpoints lack it
+        self._restored_source = checkpoint.get("esrl_es", {}).get("noise_source")
         updates = checkpoint.get("global_step", len(self.seed_log_records))
         if len(self.seed_log_records) != updates:  # its seed log could not rebuild its weights (esrl export)
             raise DataError(f"--ckpt_path {self.trainer.ckpt_path}: {updates} ES updates but "

@@ -131,6 +131,26 @@ def gaussian(seed: int, tensor_index: int, shape: Sequence[int], device: torch.d
     return torch.randn(tuple(shape), generator=generator, device=generator.device, dtype=torch.float32)
 
 
+def noise_source(device: torch.device | str) -> str:
+    """What, besides the seeds, decides the noise drawn on `device`: on a GPU, torch's generator (draws above
+    PHILOX_MAX_NUMBERS) spreads its counters over a grid sized by the chip (its SM count), so another GPU model draws
+    other numbers from one seed. Recorded in the seed log and the checkpoint; 'cpu' on the CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device.type
+    props = torch.cuda.get_device_properties(device)
+    return (f"cuda: {props.name}, {props.multi_processor_count} SMs, {props.max_threads_per_multi_processor} "
+            "threads/SM")
+
+
+def other_noise_source(recorded: str | None, here: str) -> str | None:
+    """A warning when the noise was drawn on another kind of GPU than `here` (None: the same, or not recorded)."""
+    if recorded is None or recorded == here:
+        return None
+    return (f"the noise was drawn on {recorded}; here {here}: torch's generator sizes its draws to the chip, so "
+            "tensors above 2^18 numbers (full mode's matrices, large factors) get other noise from the same seeds")
+
+
 PHILOX_MAX_NUMBERS = 2**18
 """Draws up to this size (factors, adapter noise, vectors) use esrl.es.philox on a GPU, so a chunk's are one launch;
 larger ones (full mode's whole matrices, one launch each anyway) keep torch's curand kernel, which makes four numbers

@@ -34,7 +34,7 @@ def decode_fitness(text: str) -> torch.Tensor:
 
 
 def make_header(es_config, noise_seed: int, policy_config, base_fingerprint: str | None = None,
-                device: str = "cpu") -> dict[str, Any]:
+                device: str = "cpu", source: str | None = None) -> dict[str, Any]:
     """base_fingerprint: esrl.es.fingerprint of the base weights (logs written before it existed lack it). device:
     the weights' device type, whose generator drew the noise (a GPU's Philox, the CPU's Mersenne Twister): the
     same seeds replay the run only there."""
@@ -42,6 +42,8 @@ def make_header(es_config, noise_seed: int, policy_config, base_fingerprint: str
               "policy": asdict(policy_config), "device": device}
     if base_fingerprint is not None:
         header["base_fingerprint"] = base_fingerprint
+    if source is not None:
+        header["noise_source"] = source  # esrl.es.noise.noise_source: the GPU model, where one drew it
     return header
 
 
