@@ -130,6 +130,27 @@ def test_export_from_seed_log_equals_final_weights(tiny_model, reference_run, tm
                         load_safetensors(tmp_path / "base" / "model.safetensors"))
 
 
+def test_an_export_that_fails_part_way_leaves_no_out_folder(tiny_model, reference_run, tmp_path, monkeypatch):
+    """The export wrote into --out in place: a save that failed after config.json (here the tokenizer's) left a
+    folder that looked like a model, and a rerun was refused for its files. --out appears only complete."""
+    import esrl.export as export_module
+    from esrl.models import load_tokenizer
+
+    def failing(path):
+        tok = load_tokenizer(path)
+        tok.save_pretrained = lambda *a, **k: (_ for _ in ()).throw(OSError("disk full (injected)"))
+        return tok
+
+    monkeypatch.setattr(export_module, "load_tokenizer", failing)
+    log = reference_run.parent.parent / "seed_log.jsonl"
+    with pytest.raises(OSError, match="disk full"):
+        export_module.export(str(log), str(tmp_path / "rebuilt"), tiny_model)
+    assert not (tmp_path / "rebuilt").exists()
+    monkeypatch.undo()
+    export_module.export(str(log), str(tmp_path / "rebuilt"), tiny_model)
+    assert (tmp_path / "rebuilt" / "tokenizer_config.json").is_file()
+
+
 @pytest.mark.parametrize("below", [False, True])
 def test_export_refuses_an_out_that_cannot_be_a_folder(tmp_path, below):
     """transformers only warns when asked to save into a file: --out a file (or below one) is refused in one line,

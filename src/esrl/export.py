@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from esrl.atomic_files import write_final
 from esrl.checkpoints import check_root_dir
 from esrl.errors import ConfigError, DataError
 from esrl.es.fingerprint import weights_fingerprint
@@ -48,12 +49,17 @@ def replay_device(header: dict, seed_log: str) -> str:
     return device
 
 
-def export(seed_log: str, out: str, base: str | None = None, step: int | None = None) -> Path:
-    """The weights after `step` logged iterations (default: all) saved under `out`; step K needs lines up to K
-    intact, whatever follows them."""
+def check_out(out: str) -> None:
+    """--out, before the seed log is read: a new folder or an empty one."""
     check_root_dir(out, "--out")  # transformers only warns when saving into a file, and writes nothing
     if Path(out).is_dir() and any(Path(out).iterdir()):  # another model's files would be replaced, or mixed in
         raise ConfigError(f"--out {out}: a folder with files in it; export writes a new folder (or an empty one)")
+
+
+def export(seed_log: str, out: str, base: str | None = None, step: int | None = None) -> Path:
+    """The weights after `step` logged iterations (default: all) saved under `out`, which appears only complete;
+    step K needs lines up to K intact, whatever follows them."""
+    check_out(out)
     header, records = read_seed_log(seed_log, step)
     base = base or header["policy"]["name_or_path"]
     model = load_causal_lm(base, header["policy"]["dtype"])
@@ -61,7 +67,8 @@ def export(seed_log: str, out: str, base: str | None = None, step: int | None = 
     model = model.to(replay_device(header, seed_log))
     model = replay(model, header, records)  # lora: the adapter-wrapped model
     mode = get_mode(header["es"]["mode"])  # lora: out/adapter/ and the merged model in out/
-    return mode.save_final(model, load_tokenizer(base), out)
+    tokenizer = load_tokenizer(base)
+    return write_final(lambda folder: mode.save_final(model, tokenizer, folder), out)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--step", type=int, help="number of iterations to apply (default: all)")
     parser.add_argument("--out", required=True, help="output folder (Hugging Face format), new or empty")
     args = parser.parse_args(argv)
-    out = export(args.seed_log, args.out, args.base, args.step)
-    _, records = read_seed_log(args.seed_log, args.step)
-    print(f"wrote {out} (step {len(records)}, {Path(args.seed_log).stat().st_size} bytes of seed log)")
+    check_out(args.out)
+    steps = len(read_seed_log(args.seed_log, args.step)[1])  # fixed now: a live run's log grows meanwhile
+    out = export(args.seed_log, args.out, args.base, steps)
+    print(f"wrote {out} (step {steps}, {Path(args.seed_log).stat().st_size} bytes of seed log)")
