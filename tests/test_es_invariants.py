@@ -157,6 +157,8 @@ def test_an_antithetic_runs_export_is_bit_exact(tiny_model, tmp_path):
     (lambda h, r: ({**h, "policy": {**h["policy"], "dtype": "fp8"}}, r), ":1: the header's 'policy.dtype' 'fp8' is"),
     (lambda h, r: ({**h, "device": "gpu0"}, r), ":1: the header's 'device' 'gpu0' is not a torch device type"),
     (lambda h, r: ({**h, "device": "distributed"}, r), ":1: the header's 'device' 'distributed' is not a torch"),
+    (lambda h, r: ({**h, "es": {**h["es"], "include": ["("]}}, r), ":1: the header's 'es' config does not rebuild"),
+    (lambda h, r: ({**h, "policy": {**h["policy"], "name_or_path": 3}}, r), ":1: the header's 'policy.name_or_path' 3"),
 ])
 def test_a_seed_log_with_edited_values_is_one_error_naming_the_line(tmp_path, edit, message):
     """Lines that parse as JSON but hold values no run wrote (a damaged copy, a hand edit) failed deep in the replay

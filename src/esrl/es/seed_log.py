@@ -134,6 +134,8 @@ def _check_header(header: dict[str, Any], path: Path) -> int:
     policy = header.get("policy")
     if not isinstance(policy, dict) or not {"name_or_path", "dtype"} <= policy.keys():
         raise DataError(f"{path}:1: the header's 'policy' lacks name_or_path or dtype")
+    if not isinstance(policy["name_or_path"], str):
+        raise DataError(f"{path}:1: the header's 'policy.name_or_path' {policy['name_or_path']!r} is not a string")
     if policy["dtype"] not in DTYPES:
         raise DataError(f"{path}:1: the header's 'policy.dtype' {policy['dtype']!r} is not one of {', '.join(DTYPES)}")
     device = header.get("device", "cpu")
@@ -143,6 +145,7 @@ def _check_header(header: dict[str, Any], path: Path) -> int:
         raise DataError(f"{path}:1: the header's 'noise_seed' is not an integer")
     try:
         cfg = ESConfig(**header["es"])
+        cfg.validate()  # ranges and include/exclude patterns, as a fit checks them
         get_mode(cfg.mode)  # a mode this esrl knows
         return cfg.population_size
     except (KeyError, TypeError, ValueError, EsrlError) as e:
