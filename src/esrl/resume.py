@@ -27,7 +27,8 @@ from typing import Any
 from esrl.errors import ConfigError
 
 # Fields a resumed run may change: they change speed, memory or checks, not what is trained. Not bit for bit: a batched
-# ES mode's chunk (max_batch_size) or the compiled path can order a sum otherwise (lowrank, fp32: ~1e-6 in a logit).
+# ES mode's chunk (max_batch_size) or the compiled path can order a sum otherwise (lowrank, fp32: ~1e-6 in a logit),
+# and GRPO's sampling on the HF engine splits one random stream into chunks of max_batch_size rows (other samples).
 MAY_CHANGE = frozenset({
     "model.rollout.max_batch_size", "model.rollout.compile", "model.rollout.vllm_kwargs",
     "model.rollout.vllm_max_loras", "model.rollout.vllm_sleep", "model.es.checksum_every",
