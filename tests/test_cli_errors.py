@@ -213,45 +213,6 @@ def test_bad_ckpt_path_is_one_line_naming_the_file(make, problem, tiny_model, tm
     assert "Traceback" not in out.stderr
 
 
-def test_ckpt_check_accepts_real_checkpoints_and_refuses_garbage(tmp_path):
-    import torch
-
-    from esrl.checkpoints import check_ckpt_path
-    from esrl.errors import DataError
-
-    torch.save({"state_dict": {}}, tmp_path / "ok.ckpt")
-    (tmp_path / "deepspeed.ckpt" / "checkpoint").mkdir(parents=True)  # DeepSpeed's: a folder, its tag's within
-    (tmp_path / "deepspeed.ckpt" / "latest").write_text("checkpoint")
-    for fine in (tmp_path / "ok.ckpt", tmp_path / "deepspeed.ckpt", "last", None):
-        check_ckpt_path(fine)
-    (tmp_path / "runs").mkdir()  # any other folder (a run's, say) is no checkpoint
-    with pytest.raises(DataError, match="runs: a folder, but not a DeepSpeed checkpoint"):
-        check_ckpt_path(tmp_path / "runs")
-    (tmp_path / "garbage.ckpt").write_bytes(bytes(range(256)) * 4)
-    with pytest.raises(DataError, match="garbage.ckpt: not a readable checkpoint"):
-        check_ckpt_path(tmp_path / "garbage.ckpt")
-
-
-def test_ckpt_path_last_and_the_sbatch_resume_find_a_deepspeed_checkpoint_folder(tmp_path):
-    """Under a DeepSpeed strategy (GRPO's ZeRO-2) interrupted.ckpt is a folder: `--ckpt_path last` and `esrl study`
-    kept files only ("no checkpoint to resume") and slurm/fit.sbatch's `ls -t` listed the folder's contents, so a
-    requeued job resumed from nothing or from a path inside it. The folder's layout is DeepSpeed's (latest, and its
-    tag's folder), made by hand: DeepSpeed runs on a GPU only."""
-    import subprocess
-
-    from esrl.checkpoints import resolve_last
-
-    checkpoints = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
-    (checkpoints / "interrupted.ckpt" / "checkpoint").mkdir(parents=True)
-    (checkpoints / "interrupted.ckpt" / "latest").write_text("checkpoint")
-    (checkpoints / "interrupted.ckpt" / "checkpoint" / "mp_rank_00_model_states.pt").write_bytes(b"")
-    assert resolve_last({"default_root_dir": str(tmp_path)}) == str(checkpoints / "interrupted.ckpt")
-    script = (ROOT / "slurm" / "fit.sbatch").read_text()
-    (line,) = [ln for ln in script.splitlines() if ln.startswith("CKPT=$(ls")]
-    found = subprocess.run(["bash", "-c", f'ROOT={tmp_path}; {line}; echo "$CKPT"'], capture_output=True, text=True)
-    assert found.stdout.strip() == str(checkpoints / "interrupted.ckpt"), found
-
-
 def test_parser_error_is_one_line_and_a_help_hint(tmp_path):
     out = run_esrl("fit", "--config", DEMO, "--trainer.max_steps", "abc", "--trainer.default_root_dir", tmp_path)
     assert out.returncode == 2

@@ -37,7 +37,7 @@ from esrl.grpo.advantages import group_advantages, nanstd
 from esrl.grpo.config import GRPOConfig
 from esrl.grpo.importance import engine_correction
 from esrl.grpo.loss import GLOBAL_TOKEN_LOSSES, GRPOLoss
-from esrl.grpo.optim import built, default_adamw, default_schedule
+from esrl.grpo.optim import optimizers
 from esrl.grpo.reference import FrozenReference
 from esrl.grpo.rollout_batch import RolloutBatch, Scores, reuse_state, reused, rollout_tensors
 from esrl.grpo.step_metrics import (OTHER_HOOKS, loss_metrics, sample_metrics, window_samples,
@@ -137,28 +137,10 @@ class GRPOModule(PolicyModule):
                            "(fp32 master weights).")
 
     def configure_optimizers(self):
-        """TRL's AdamW and LR schedule (esrl.grpo.optim), or the command line's `--optimizer` / `--lr_scheduler`.
-
-        Those are LightningCLI's flags, passed in as callables and built here, over the trainable parameters that
-        configure_model created; `--optimizer` without `--lr_scheduler` keeps its lr, as in LightningCLI. A
-        schedule steps after every optimizer step, as TRL's does (LightningCLI's own would step once an epoch, and
-        an epoch here is one pass over the prompts, however many steps the run takes)."""
+        """TRL's AdamW and LR schedule, or the command line's `--optimizer` / `--lr_scheduler` (esrl.grpo.optim)."""
         params = [(n, p) for n, p in self.policy.named_parameters() if p.requires_grad]
-        if self.optimizer_factory is None:
-            optimizer = default_adamw(params, self.grpo)
-        else:
-            optimizer = built("--optimizer", self.optimizer_factory, [p for _, p in params])
-        if self.lr_scheduler_factory is not None:
-            scheduler = built("--lr_scheduler", self.lr_scheduler_factory, optimizer)
-            if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):  # Lightning wants a monitor
-                raise ConfigError("--lr_scheduler ReduceLROnPlateau: steps on a monitored metric, which esrl does "
-                                  "not name for it; use a schedule by step (StepLR, CosineAnnealingLR, ...)")
-        else:
-            scheduler = None if self.optimizer_factory is not None else default_schedule(
-                optimizer, self.grpo, self.trainer.estimated_stepping_batches)
-        if scheduler is None:
-            return optimizer
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return optimizers(params, self.grpo, self.optimizer_factory, self.lr_scheduler_factory,
+                          self.trainer.estimated_stepping_batches)
 
     @property
     def run_seed(self) -> int:  # the configured seed, else the run's seed_everything value (Lightning exports it)

@@ -46,3 +46,26 @@ def built(flag: str, factory, *args):
         return factory(*args)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{flag}: {e}") from None
+
+
+def optimizers(named_params: list[tuple[str, torch.nn.Parameter]], cfg: GRPOConfig, optimizer_factory=None,
+               lr_scheduler_factory=None, total_steps: int | float = 1) -> dict | torch.optim.Optimizer:
+    """GRPO's optimizer and schedule, as Lightning's configure_optimizers returns them: TRL's AdamW and LR schedule,
+    or LightningCLI's `--optimizer` / `--lr_scheduler` (callables) built over the trainable parameters configure_model
+    created; `--optimizer` without `--lr_scheduler` keeps its lr, as in LightningCLI. A schedule steps after every
+    optimizer step, as TRL's does (LightningCLI's own would step once an epoch, and an epoch here is one pass over the
+    prompts, however many steps the run takes)."""
+    if optimizer_factory is None:
+        optimizer = default_adamw(named_params, cfg)
+    else:
+        optimizer = built("--optimizer", optimizer_factory, [p for _, p in named_params])
+    if lr_scheduler_factory is not None:
+        scheduler = built("--lr_scheduler", lr_scheduler_factory, optimizer)
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):  # Lightning wants a monitor
+            raise ConfigError("--lr_scheduler ReduceLROnPlateau: steps on a monitored metric, which esrl does "
+                              "not name for it; use a schedule by step (StepLR, CosineAnnealingLR, ...)")
+    else:
+        scheduler = None if optimizer_factory is not None else default_schedule(optimizer, cfg, total_steps)
+    if scheduler is None:
+        return optimizer
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
