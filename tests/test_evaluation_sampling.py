@@ -72,11 +72,13 @@ def test_grpos_kl_at_step_0_is_0_under_a_true_half_precision(tiny_model, tmp_pat
 
 
 @pytest.mark.parametrize("algo, beta", [("grpo", 0.04), ("es", 0.0)])
-def test_the_kl_at_step_0_is_0_for_a_bf16_policy(tiny_model, tmp_path, algo, beta):
-    """transformers keeps RoPE's inv_freq float32 in a bf16 model; GRPO's reference (beta > 0) and the evaluation's
-    base were cast with .to(dtype), buffers and all, so their log-probs differed from the policy's at step 0 (a KL
-    penalty toward a corrupted reference). The frozen copies keep the policy's buffers."""
-    assert _evaluated(tiny_model, tmp_path / algo, algo, dtype="bfloat16", beta=beta)["kl"] == 0.0
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_the_kl_at_step_0_is_0_for_a_bf16_policy(tiny_model, tmp_path, algo, beta, precision):
+    """transformers keeps RoPE's inv_freq float32 in a bf16 model, and a true half precision casts the policy's to
+    bf16: GRPO's reference (beta > 0) and the evaluation's base must hold it as the policy does, or their log-probs
+    differ from the policy's at step 0 (a KL penalty toward a corrupted reference). Cast with .to(dtype), buffers
+    and all, they differed under 32-true; cast only when the weights' dtype differed, under bf16-true."""
+    assert _evaluated(tiny_model, tmp_path / algo, algo, dtype="bfloat16", beta=beta, precision=precision)["kl"] == 0
 
 
 def test_a_correct_metric_the_task_lacks_is_one_line_naming_it(tiny_model, tmp_path):

@@ -199,9 +199,8 @@ class Evaluation(L.Callback):
             if self._base is None:
                 # in the policy's dtype as it runs (a true half precision converted it after loading): step 0's
                 # KL is then 0, not the rounding between the two
-                dtype = next(module.policy.parameters()).dtype
                 self._base = like_policy(load_causal_lm(module.model_path, module.policy_config.dtype),
-                                         module.device, dtype)
+                                         module.policy, module.device)
             base = self._base
         prompts = encode_prompts(module.tokenizer, module.task.prompts(rows))
         training = module.policy.training  # GRPO trains in train mode: dropout off for the estimate, as the base's

@@ -129,7 +129,7 @@ class GRPOModule(PolicyModule):
             # which would partition a model the strategy never wraps. Fit alone needs it.
             self.reference = FrozenReference(load_causal_lm(self.model_path, self.policy_config.dtype))
         if self.reference is not None:
-            self.reference.to(self.device, dtype)
+            self.reference.to(self.policy, self.device)
         if dtype != torch.float32 and not isinstance(self.trainer.strategy, DeepSpeedStrategy):
             rank_zero_warn(f"GRPO: AdamW steps {dtype} weights in place, without fp32 master weights: "
                            "updates smaller than the dtype's resolution (lr 1e-6 on most weights) are "

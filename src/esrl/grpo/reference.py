@@ -21,6 +21,7 @@ class FrozenReference:
     def __init__(self, model: nn.Module):
         self.model = model.eval().requires_grad_(False)
 
-    def to(self, device: torch.device, dtype: torch.dtype) -> FrozenReference:
-        like_policy(self.model, device, dtype)
+    def to(self, policy: nn.Module, device: torch.device) -> FrozenReference:
+        """On `device`, in the precision the policy runs in (esrl.models.loading.like_policy)."""
+        like_policy(self.model, policy, device)
         return self

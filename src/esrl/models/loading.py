@@ -229,11 +229,21 @@ def load_causal_lm(name_or_path: str, dtype: str = "float32", what: str = "model
     return model
 
 
-def like_policy(model: torch.nn.Module, device: torch.device | str, dtype: torch.dtype) -> torch.nn.Module:
-    """`model` (a frozen copy of the base) on `device`, in the precision the policy runs in: cast only when its
-    weights are not `dtype` already (a true half precision cast the policy, buffers and all); otherwise its float32
-    buffers (RoPE's inv_freq, which transformers keeps in float32 in a bf16 model) stay float32 as the policy's do,
-    or the two models' log-probs differ at step 0."""
+def like_policy(model: torch.nn.Module, policy: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
+    """`model` (a frozen copy of the base) on `device`, in the precision `policy` runs in: its weights in the policy's
+    dtype, and each buffer in the dtype of the policy's buffer of that name (RoPE's inv_freq: transformers keeps it
+    float32 in a bf16 model, a true half precision's module.to casts it), or the two models' log-probs differ at
+    step 0. Names match whole or as a suffix (a PEFT-wrapped policy's)."""
+    dtype = next(policy.parameters()).dtype
     if next(model.parameters()).dtype != dtype:
         model.to(dtype=dtype)
-    return model.to(device=device)
+    model.to(device=device)
+    theirs = dict(policy.named_buffers())
+    for name, buffer in list(model.named_buffers()):
+        match = theirs.get(name)
+        if match is None:
+            match = next((b for n, b in theirs.items() if n.endswith("." + name)), None)
+        if match is not None and match.dtype != buffer.dtype:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, buffer.to(match.dtype))
+    return model
