@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from conftest import ROOT
 
@@ -41,6 +43,19 @@ def test_ckpt_path_last_and_the_sbatch_resume_find_a_deepspeed_checkpoint_folder
     (checkpoints / "interrupted.ckpt" / "checkpoint" / "mp_rank_00_model_states.pt").write_bytes(b"")
     assert resolve_last({"default_root_dir": str(tmp_path)}) == str(checkpoints / "interrupted.ckpt")
     script = (ROOT / "slurm" / "fit.sbatch").read_text()
-    (line,) = [ln for ln in script.splitlines() if ln.startswith("CKPT=$(ls")]
-    found = subprocess.run(["bash", "-c", f'ROOT={tmp_path}; {line}; echo "$CKPT"'], capture_output=True, text=True)
-    assert found.stdout.strip() == str(checkpoints / "interrupted.ckpt"), found
+    lines = "; ".join(ln for ln in script.splitlines() if ln.startswith("CKPT="))
+
+    def sbatch_pick() -> str:
+        out = subprocess.run(["bash", "-c", f'ROOT={tmp_path}; {lines}; echo "$CKPT"'], capture_output=True, text=True)
+        return out.stdout.strip()
+
+    assert sbatch_pick() == str(checkpoints / "interrupted.ckpt")
+    # last.ckpt/ made before interrupted.ckpt/, saved again after it: DeepSpeed rewrites its `latest` in place, the
+    # folder keeps its first time, and both picks went back to the older interrupted.ckpt
+    (checkpoints / "last.ckpt" / "checkpoint").mkdir(parents=True)
+    (checkpoints / "last.ckpt" / "latest").write_text("checkpoint")
+    os.utime(checkpoints / "last.ckpt", (1e9, 1e9))
+    os.utime(checkpoints / "interrupted.ckpt", (1.5e9, 1.5e9))
+    os.utime(checkpoints / "interrupted.ckpt" / "latest", (1.5e9, 1.5e9))
+    os.utime(checkpoints / "last.ckpt" / "latest", (2e9, 2e9))
+    assert resolve_last({"default_root_dir": str(tmp_path)}) == sbatch_pick() == str(checkpoints / "last.ckpt")

@@ -48,7 +48,6 @@ def error_lines(out) -> list[str]:
     (["--model.es.mode", "lora", "--trainer.precision", "bf16-true", "--model.policy.dtype", "bf16"],
      "trainer.precision bf16-true with model.es.mode lora: the adapter ES trains is float32"),  # converted to bf16
     (["--model.rollout.stop", '[""]'], "model.rollout.stop: stop strings must be non-empty"),
-    (["--model.rollout.vllm_sleep", "true"], "model.rollout.vllm_sleep: GRPO's option"),  # was accepted, ignored
     (["--algo", "grpo", "--model.grpo.lora", "{layers: '5-9'}"],
      "model.grpo.lora.layers: '5-9' reaches past the model's 2 layers (0-1)"),  # not PEFT's "target modules"
     (["--model.es.mode", "lora", "--model.es.layers", "1-3"], "model.es.layers: '1-3' reaches past the model's 2"),

@@ -83,12 +83,14 @@ def test_es_on_a_grpo_config_drops_its_gradient_settings(tiny_model, tmp_path, c
     cli = EsrlCLI(build_module, PromptDataModule, run=False, args=[
         "--config", str(ROOT / "configs/grpo_conciseness.yaml"), "--algo", "es",
         "--model.policy.name_or_path", tiny_model, "--model.policy.dtype", "float32",
+        "--model.rollout.vllm_sleep", "true",  # GRPO's too: ES refuses it, --algo es drops it
         "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.default_root_dir", str(tmp_path)])
     assert type(cli.trainer.strategy).__name__ == "ESStrategy" and cli.trainer.gradient_clip_val is None
     assert cli.trainer.precision == "32-true"  # its bf16-mixed: ES has no backward to autocast
+    assert cli.model.rollout_config.vllm_sleep is False
     err = capsys.readouterr().err
     assert "trainer.strategy deepspeed_stage_2 -> es" in err and "trainer.gradient_clip_val 1.0 dropped" in err
-    assert "trainer.precision bf16-mixed -> 32-true" in err
+    assert "trainer.precision bf16-mixed -> 32-true" in err and "model.rollout.vllm_sleep dropped" in err
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp_find_unused_parameters_true", "single_device"])
@@ -106,3 +108,13 @@ def test_there_are_configs():
     names = {str(c.relative_to(ROOT / "configs")) for c in CONFIGS}
     assert {"es_conciseness.yaml", "es_countdown.yaml", "es_pku.yaml", "demo/es_conciseness.yaml",
             "demo/es_pku.yaml"} <= names
+
+
+def test_an_es_module_refuses_vllm_sleep_it_would_ignore():
+    """Built in code (the CLI drops it under --algo es): rollout.vllm_sleep promised memory ES never frees."""
+    from esrl.errors import ConfigError
+    from esrl.es.module import ESModule
+    from esrl.rollout import RolloutConfig
+
+    with pytest.raises(ConfigError, match="^model.rollout.vllm_sleep: GRPO's option"):
+        ESModule(rollout=RolloutConfig(engine="vllm", vllm_sleep=True))

@@ -149,6 +149,10 @@ def test_an_export_that_fails_part_way_leaves_no_out_folder(tiny_model, referenc
     monkeypatch.undo()
     export_module.export(str(log), str(tmp_path / "rebuilt"), tiny_model)
     assert (tmp_path / "rebuilt" / "tokenizer_config.json").is_file()
+    (tmp_path / "here").mkdir()  # `--out .`, an empty working folder: the partial folder goes beside its real path
+    monkeypatch.chdir(tmp_path / "here")
+    export_module.export(str(log), ".", tiny_model)
+    assert (tmp_path / "here" / "model.safetensors").is_file()
 
 
 @pytest.mark.parametrize("below", [False, True])

@@ -98,6 +98,10 @@ def test_embedded_model_cache_is_checked_on_every_resolve(tmp_path, monkeypatch)
     assert "built from {'gguf'" in loading.embedded_problem("smollm2-135m-instruct")
     assert loading.resolve_model_path("smollm2-135m-instruct") == path and len(converted) == 3
     assert loading.embedded_problem("smollm2-135m-instruct") is None
+    # a cache converted before sources were recorded serves as it is (a shared read-only one among them)
+    record = Path(path) / "esrl-cache.json"
+    record.write_text(json.dumps({k: v for k, v in json.loads(record.read_text()).items() if k != "source"}))
+    assert loading.embedded_problem("smollm2-135m-instruct") is None
 
 
 def test_esrl_cache_with_a_tilde_or_empty_is_a_folder_in_home(tmp_path, monkeypatch):

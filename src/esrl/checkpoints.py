@@ -44,8 +44,9 @@ def newest_checkpoint(paths: Iterable[Path]) -> Path | None:
     Lightning's own `last`, so that every resume (esrl study, fit.sbatch, --ckpt_path last) takes the same one."""
     found = []
     for path in paths:
-        try:
-            found.append((-path.stat().st_mtime_ns, str(path), path))
+        try:  # a DeepSpeed folder keeps its first time; its `latest` is rewritten at every save
+            stamp = (path / "latest" if deepspeed_folder(path) else path).stat().st_mtime_ns
+            found.append((-stamp, str(path), path))
         except FileNotFoundError:  # removed meanwhile (a run finishing spends its interrupted.ckpt)
             continue
     return min(found)[2] if found else None

@@ -112,6 +112,9 @@ class EsrlCLI(LightningCLI):
         trainer = config.trainer
         # ES needs its own strategy and no gradient settings; GRPO uses Lightning's strategies (module_factory).
         notes = fit_trainer_to_algo(config.algo, trainer)
+        if config.algo == "es" and config.model.rollout and config.model.rollout.vllm_sleep:  # ES would refuse it
+            config.model.rollout.vllm_sleep = False
+            notes.append("model.rollout.vllm_sleep dropped (the engine sleeps through a backward)")
         if notes:
             print(f"esrl: --algo {config.algo}: {'; '.join(notes)} (GRPO settings; ES has no gradient)",
                   file=sys.stderr)

@@ -67,8 +67,8 @@ def export(seed_log: str, out: str, base: str | None = None, step: int | None = 
     model = model.to(replay_device(header, seed_log))
     model = replay(model, header, records)  # lora: the adapter-wrapped model
     mode = get_mode(header["es"]["mode"])  # lora: out/adapter/ and the merged model in out/
-    tokenizer = load_tokenizer(base)
-    return write_final(lambda folder: mode.save_final(model, tokenizer, folder), out)
+    tokenizer = load_tokenizer(base)  # `--out .` or a link: its real folder gets the partial one beside it
+    return write_final(lambda folder: mode.save_final(model, tokenizer, folder), Path(out).resolve())
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -35,7 +35,7 @@ MAY_CHANGE = frozenset({
     "model.grpo.gradient_checkpointing", "data.eval_batch_size",
 })
 _DATA_FIELDS = ("task", "task_args", "prompts_per_step", "shuffle", "seed", "eval_batch_size")
-SCORER_CONNECTION = frozenset({"scorer", "token", "timeout", "retries", "backoff", "max_items", "max_chars", "device"})
+SCORER_CONNECTION = frozenset({"scorer", "token", "timeout", "retries", "backoff", "max_items", "max_chars"})
 """data.task_args a resumed run may change: where and how a scorer is reached, not what it scores (a scorer service
 restarted on another node after an outage has another address)."""
 SUBCOMMANDS = ("fit", "validate", "test")

@@ -5,8 +5,9 @@ and renames the folder into place, all under a file lock (several processes of o
 A folder without that record, with a file missing or of another size, or with a safetensors file whose
 header does not parse or does not account for the file's length (a truncated or overwritten file) is
 moved aside and rebuilt, never loaded. Content is not hashed: a same-size bit flip inside the weights
-would pass, at no cost to every load. A folder built from another source (the embedded model's GGUF file of
-another size, after an upgrade of its package; or one recorded before esrl noted its source) is rebuilt too.
+would pass, at no cost to every load. A folder recorded as built from another source (the embedded model's GGUF
+file of another size, after an upgrade of its package) is rebuilt too; one converted before esrl recorded sources
+serves as it is (a shared read-only cache would otherwise stop serving).
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ def problem(folder: Path, source: dict | None = None) -> str | None:
         return f"no {RECORD} (an interrupted or older conversion)"
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"unreadable {RECORD} ({type(e).__name__})"
-    if source is not None and record.get("source") != source:
-        return f"built from {record.get('source', 'an unrecorded source')}, not {source}"
+    if source is not None and record.get("source", source) != source:
+        return f"built from {record['source']}, not {source}"
     if "config.json" not in files:
         return f"{RECORD} lists no config.json"
     for name, size in files.items():
