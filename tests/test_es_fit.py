@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -149,10 +150,11 @@ def test_an_export_that_fails_part_way_leaves_no_out_folder(tiny_model, referenc
     monkeypatch.undo()
     export_module.export(str(log), str(tmp_path / "rebuilt"), tiny_model)
     assert (tmp_path / "rebuilt" / "tokenizer_config.json").is_file()
-    (tmp_path / "here").mkdir()  # `--out .`, an empty working folder: the partial folder goes beside its real path
+    (tmp_path / "here").mkdir()  # `--out .`, an empty working folder: kept (not replaced), filled whole
     monkeypatch.chdir(tmp_path / "here")
+    inode = os.stat(".").st_ino
     export_module.export(str(log), ".", tiny_model)
-    assert (tmp_path / "here" / "model.safetensors").is_file()
+    assert os.stat(".").st_ino == inode and Path("model.safetensors").is_file() and Path("config.json").is_file()
 
 
 @pytest.mark.parametrize("below", [False, True])

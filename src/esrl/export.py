@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from esrl.atomic_files import write_final
+from esrl.atomic_files import partial_dir, write_final
 from esrl.checkpoints import check_root_dir
 from esrl.errors import ConfigError, DataError
 from esrl.es.fingerprint import weights_fingerprint
@@ -67,8 +67,21 @@ def export(seed_log: str, out: str, base: str | None = None, step: int | None = 
     model = model.to(replay_device(header, seed_log))
     model = replay(model, header, records)  # lora: the adapter-wrapped model
     mode = get_mode(header["es"]["mode"])  # lora: out/adapter/ and the merged model in out/
-    tokenizer = load_tokenizer(base)  # `--out .` or a link: its real folder gets the partial one beside it
-    return write_final(lambda folder: mode.save_final(model, tokenizer, folder), Path(out).resolve())
+    tokenizer = load_tokenizer(base)
+    return _save_complete(lambda folder: mode.save_final(model, tokenizer, folder), Path(out).resolve())
+
+
+def _save_complete(save, out: Path) -> Path:
+    """A new `out` appears whole (esrl.atomic_files.write_final). An empty folder that exists (`--out .`, one the user
+    made) is kept, not replaced: the model is saved whole beside it, then moved in, config.json last, so the folder
+    never looks like a loadable model before it is one."""
+    if not out.exists():
+        return write_final(save, out)
+    whole = write_final(save, partial_dir(out))
+    for item in sorted(whole.iterdir(), key=lambda item: item.name == "config.json"):
+        item.rename(out / item.name)
+    whole.rmdir()
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
