@@ -34,14 +34,18 @@
 # rank 8 (gate and up in one launch against one each) were dropped from it for time: `issue15.sh inside_mlp,kernel`.
 # then: the second call, at once on the warm machine: lora's recorded step profiled beside the floor's (and with its
 # terms beside the GEMMs: busy_over_wall), and deepspeed.
-# PROFILE_ARGS: decode_profile.py's flags. deepspeed: benchmarks/gpu/issue16.sh (tests/test_gpu_deepspeed.py, GRPO under ZeRO 1
-# and 2; session 26's assertions not run yet) in what is left of 585 s, or DEEPSPEED_S seconds.
+# PROFILE_ARGS: decode_profile.py's flags (PROFILE_S its limit, 200 s). deepspeed: benchmarks/gpu/issue16.sh
+# (tests/test_gpu_deepspeed.py, GRPO under ZeRO 1 and 2; session 26's assertions not run yet) in what is left of
+# BUDGET_S (585), or DEEPSPEED_S seconds. A 15-minute session: `next` with SBS_S=200 TESTS_S=240 (~8.5 minutes), then
+# `then` at once with BUDGET_S = status's budget_left_s - 30 (profile only if that is under ~5 minutes).
 # .whl holds the wheels the GPU image lacks (jsonargparse, docstring-parser, typeshed-client); .gpu/tok the
 # embedded model's config and tokenizer files (no weights).
 set -uo pipefail
 STEPS=${1:-profile,tests,bench1,bench2,e2e}
 NEXT=""; [ "$STEPS" = next ] && { NEXT=1; STEPS=tests; SBS_MODES=${SBS_MODES:-floor,lowrank,lora,lora-overlap,lowrank-overlap,lora-inside}; }
 [ "$STEPS" = then ] && { STEPS=profile,deepspeed; PROFILE_ARGS=${PROFILE_ARGS:---modes floor,lora,lora-overlap}; }
+# BUDGET_S: the seconds this call may take (status's budget_left_s less a margin); steps after it are skipped or cut
+BUDGET_S=${BUDGET_S:-585}
 OUT=${OUT:-/tmp/esrl_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
@@ -76,10 +80,11 @@ if [ -n "$NEXT" ]; then  # the pricing first (inside, the ratios side by side, g
   TESTS_FIRST=${TESTS_FIRST-"own_member_count or exports or side_stream or another_terms_path or shared_launches or terms_inside or one_launch or overlap or refused_on_the_cpu"}  # fused fits (a compile each) after
 fi
 if has profile; then
-  timeout 200 python3 benchmarks/gpu/decode_profile.py ${PROFILE_ARGS:-} 2>&1 | quiet | tee "$OUT/decode_profile.log"
+  profile_s=${PROFILE_S:-200}; [ $(( BUDGET_S - SECONDS - 20 )) -lt "$profile_s" ] && profile_s=$(( BUDGET_S - SECONDS - 20 ))
+  timeout $profile_s python3 benchmarks/gpu/decode_profile.py ${PROFILE_ARGS:-} 2>&1 | quiet | tee "$OUT/decode_profile.log"
 fi
 gpu_tests() {  # $1: seconds, $2: a -k expression (empty: all), $3: the log's suffix
-  timeout $1 python3 -m pytest -v -m gpu tests/test_gpu.py tests/test_gpu_kernels.py -p no:cacheprovider --durations=8 ${2:+-k "$2"} 2>&1 | quiet | tee "$OUT/gpu_tests$3.log" | tail -15
+  timeout $1 python3 -m pytest -v -m gpu tests/test_gpu_kernels.py tests/test_gpu.py -p no:cacheprovider --durations=8 ${2:+-k "$2"} 2>&1 | quiet | tee "$OUT/gpu_tests$3.log" | tail -15
 }
 if has tests; then  # TESTS_FIRST: a -k expression run first (tests never run on a GPU), the rest after
   if [ -n "${TESTS_FIRST:-}" ]; then
@@ -104,7 +109,7 @@ if has bench2; then
 fi
 has sbs && sbs
 if has deepspeed; then  # GRPO's GPU tests under ZeRO: issue16.sh (DeepSpeed installed from .whl/sdist, ~10-30 s)
-  left=$(( ${DEEPSPEED_S:-585 - SECONDS} ))
+  left=$(( ${DEEPSPEED_S:-BUDGET_S - SECONDS} ))
   if [ "$left" -gt 90 ]; then TEST_TIMEOUT=$(( left - 60 )) timeout $left bash benchmarks/gpu/issue16.sh
   else echo "deepspeed: skipped, ${left} s left"; fi
 fi

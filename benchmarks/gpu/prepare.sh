@@ -23,7 +23,8 @@ mkdir -p .whl/sdist
 python3 -m pip download -q --no-deps --no-binary=:all: -d .whl/sdist "$(pin deepspeed)"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
-  "$(pin hjson)" "$(pin pydantic)" "$(pin pydantic_core)" "$(pin annotated-types)" "$(pin typing-inspection)"
+  "$(pin hjson)" "$(pin pydantic)" "$(pin pydantic_core)" "$(pin annotated-types)" "$(pin typing-inspection)" \
+  "$(pin typing_extensions)"  # pydantic's floor may be above the image's
 tok=$(.venv/bin/python -c "from esrl.models import resolve_model_path; print(resolve_model_path('smollm2-135m-instruct'))")
 rm -rf .gpu/tok && mkdir -p .gpu/tok
 find "$tok" -maxdepth 1 -type f ! -name "*.safetensors" ! -name "*.bin" ! -name "*.gguf" ! -name "*.lock" \
