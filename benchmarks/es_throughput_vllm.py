@@ -56,6 +56,7 @@ def worker(mode: str, args) -> dict:
     import torch
 
     from esrl.es import es_step, get_mode, population, shape_fitness
+    from esrl.es.noise import drawn_once
     from esrl.es.config import ESConfig
     from esrl.es.engines import SeparateES
     from esrl.es.setup import build_selection
@@ -95,10 +96,11 @@ def worker(mode: str, args) -> dict:
         for _ in range(args.repeats):
             opt = torch.optim.SGD(sel.params, lr=es.alpha)
             start = time.perf_counter()
-            out = engine.generate_population(prompts, n, engine_es.row_weights(members), **gen)
-            t_gen = time.perf_counter()
-            shaped = shape_fitness(torch.tensor(rewards_of(out)))
-            es_step(opt, sel, members, shaped, spec)
+            with drawn_once():  # as ESModule (and es_throughput's HF rows): the update reuses the load's draws
+                out = engine.generate_population(prompts, n, engine_es.row_weights(members), **gen)
+                t_gen = time.perf_counter()
+                shaped = shape_fitness(torch.tensor(rewards_of(out)))
+                es_step(opt, sel, members, shaped, spec)
             t_hf = time.perf_counter()
             engine_es.after_update()
             times.append(time.perf_counter() - start)
