@@ -207,19 +207,20 @@ def test_a_ckpt_path_written_with_a_tilde_restores_the_checkpoints_settings(slur
                                                                             monkeypatch):
     """`--ckpt_path=~/...` (no shell expands a tilde after `=`, nor in a YAML value): esrl's checks read the file, but
     LightningCLI's restore of the checkpoint's hyperparameters did not find it, so every model field the config left
-    out took its default (here alpha 5e-4 and sigma 1e-3 for the checkpoint's 0.02 and 0.05) without a word."""
-    from conftest import write_tiny_config
+    out took its default (here alpha 5e-4 and sigma 1e-3 for the checkpoint's 0.02 and 0.05) without a word. A
+    subprocess: an in-process fit on the `es` strategy leaves its process group's port taken in this worker."""
+    import csv
 
-    from esrl.cli import EsrlCLI
-    from esrl.data import PromptDataModule
-    from esrl.module_factory import build_module
+    from conftest import write_tiny_config
 
     last = slurm_run["version"] / "checkpoints" / "last.ckpt"
     monkeypatch.setenv("HOME", str(last.parent))
-    config = write_tiny_config(tmp_path / "c.yaml", tiny_model, max_steps=STEPS)  # no es section
-    cli = EsrlCLI(build_module, PromptDataModule, args=["fit", "--config", str(config), "--ckpt_path=~/last.ckpt",
-                                                        "--trainer.default_root_dir", str(tmp_path / "runs")])
-    assert (cli.model.es.alpha, cli.model.es.sigma, cli.model.es.population_size) == (0.02, 0.05, 4)
+    config = write_tiny_config(tmp_path / "c.yaml", tiny_model, max_steps=STEPS + 1)  # no es section
+    out = run_esrl("fit", "--config", config, "--ckpt_path=~/last.ckpt", "--trainer.default_root_dir", tmp_path / "r")
+    assert out.returncode == 0, out.stderr[-3000:]
+    (metrics,) = (tmp_path / "r").rglob("metrics.csv")
+    (row,) = [r for r in csv.DictReader(metrics.open()) if r.get("train/alpha")]
+    assert (float(row["train/alpha"]), float(row["train/sigma"])) == pytest.approx((0.02, 0.05), rel=1e-6)  # float32
 
 
 def test_a_run_resumed_at_its_max_steps_rewrites_its_seed_log_to_the_checkpoint(slurm_run, config, tmp_path):
@@ -228,19 +229,16 @@ def test_a_run_resumed_at_its_max_steps_rewrites_its_seed_log_to_the_checkpoint(
     `esrl export` (its last step by default) rebuilt another model than final/."""
     import shutil
 
-    from esrl.cli import EsrlCLI
-    from esrl.data import PromptDataModule
-    from esrl.module_factory import build_module
-
     version = tmp_path / "lightning_logs" / "version_0"
     shutil.copytree(slurm_run["version"], version)
+    shutil.rmtree(version / "final")
     assert len((version / "seed_log.jsonl").read_text().splitlines()) == 1 + STEPS
-    cli = EsrlCLI(build_module, PromptDataModule, args=["fit", "--config", str(config), "--trainer.max_steps", "2",
-                                                        "--ckpt_path", str(version / "checkpoints" / "step=2.ckpt"),
-                                                        "--trainer.default_root_dir", str(tmp_path)])
-    run = Path(cli.trainer.log_dir)
-    assert (run / "final" / "config.json").is_file()
-    assert [json.loads(line).get("t") for line in (run / "seed_log.jsonl").read_text().splitlines()] == [None, 0, 1]
+    out = run_esrl("fit", "--config", config, "--trainer.max_steps", 2, "--trainer.default_root_dir", tmp_path,
+                   "--ckpt_path", version / "checkpoints" / "step=2.ckpt")
+    assert out.returncode == 0, out.stderr[-3000:]
+    (final,) = tmp_path.rglob("final/config.json")
+    log = final.parent.parent / "seed_log.jsonl"
+    assert [json.loads(line).get("t") for line in log.read_text().splitlines()] == [None, 0, 1]
 
 
 def test_ckpt_path_last_is_the_newest_checkpoint_of_the_root_or_one_line(slurm_run, config, tmp_path):
