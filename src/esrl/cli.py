@@ -74,10 +74,10 @@ class EsrlCLI(LightningCLI):
                                            written)
                 config.seed_everything = self._resume.seed
                 self._resume.run_dir = ckpt.get("esrl_run_dir") or str(Path(config.ckpt_path).parent.parent)
-            elif config.get("ckpt_path") and deepspeed_folder(Path(str(config.ckpt_path)).expanduser()):
+            elif config.get("ckpt_path") and deepspeed_folder(Path(str(config.ckpt_path))):  # ~ expanded above
                 # its settings are in DeepSpeed's files, not compared here; its run folder goes on (one history)
                 self._resume = ResumePlan({}, config.get("seed_everything"))
-                self._resume.run_dir = str(Path(config.ckpt_path).expanduser().parent.parent)
+                self._resume.run_dir = str(Path(config.ckpt_path).parent.parent)
 
     def instantiate_classes(self) -> None:
         one_line_classes(super().instantiate_classes)

@@ -256,6 +256,10 @@ class ESModule(PolicyModule):
         """The device type whose generator draws the noise (seed_log.make_header)."""
         return self.selection.params[0].device.type
 
+    def noise_chip(self) -> str:
+        """The device model whose generator draws the noise (esrl.es.noise.noise_source: a GPU's name and SM count)."""
+        return noise_source(self.selection.params[0].device)
+
     def on_fit_start(self) -> None:
         """A checkpoint resumes only where its noise was drawn (checked here: after the restore, on the run's device,
         before any evaluation)."""
@@ -264,8 +268,7 @@ class ESModule(PolicyModule):
                             f"their noise on {self._restored_device}; on {self.noise_device()} the same seeds draw "
                             "other noise, so the run would not be the one it continues and its seed log could not "
                             f"rebuild it: resume on {self._restored_device}")
-        if self.seed_log_records and (why := other_noise_source(self._restored_source,
-                                                                 noise_source(self.selection.params[0].device))):
+        if self.seed_log_records and (why := other_noise_source(self._restored_source, self.noise_chip())):
             rank_zero_warn(f"--ckpt_path {self.trainer.ckpt_path}: {why}; the run goes on, but no single GPU model "
                            "can replay its whole seed log (`esrl export`)")
         # A resumed run rewrites the history restored from its checkpoint, so its log is complete: here, not at train
@@ -273,7 +276,7 @@ class ESModule(PolicyModule):
         if self.trainer.is_global_zero:
             write_seed_log(self.run_dir() / "seed_log.jsonl",
                            make_header(self.es, self.noise_seed, self.policy_config, self.base_fingerprint,
-                                       self.noise_device(), noise_source(self.selection.params[0].device)),
+                                       self.noise_device(), self.noise_chip()),
                            self.seed_log_records)
 
     def prepare_rollouts(self) -> None:
@@ -285,7 +288,7 @@ class ESModule(PolicyModule):
         super().on_save_checkpoint(checkpoint)
         checkpoint["esrl_es"] = {"noise_seed": self.noise_seed, "seed_log": self.seed_log_records,
                                  "device": self.noise_device(),
-                                 "noise_source": noise_source(self.selection.params[0].device)}
+                                 "noise_source": self.noise_chip()}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
