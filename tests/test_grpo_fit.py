@@ -154,15 +154,16 @@ def test_accumulated_dapo_step_has_trls_gradient(grpo_config, tmp_path, monkeypa
     assert len(checked) == 1
 
 
-@pytest.mark.parametrize("num_iterations, stop, devices", [(1, "ModelCheckpoint", 1), (2, "ModelCheckpoint", 1),
-                                                           (2, "SIGTERM", 1), (2, "ModelCheckpoint", 2)])
+@pytest.mark.parametrize("num_iterations, stop, devices", [(1, "ModelCheckpoint", 1), (2, "SIGTERM", 1),
+                                                           (2, "ModelCheckpoint", 2)])
 def test_accumulated_run_resumed_from_a_checkpoint_equals_uninterrupted(tiny_model, tmp_path_factory, tmp_path,
                                                                         monkeypatch, num_iterations, stop, devices):
     """accumulate_grad_batches 2 (dapo, windows rolled out whole): a run resumed from step 1's checkpoint continues
     with the same windows, seeds and token counts, and ends with the uninterrupted run's weights. num_iterations 2:
     step 1 trains on step 0's rollouts (old log-probs of step 0's weights), so the checkpoint (ModelCheckpoint's, or
     interrupted.ckpt after a SIGTERM) holds them; without them the resumed run sampled a fresh batch for step 1.
-    Two processes: each one's own rollouts (rank 0 wrote its own alone, and rank 1 trained on them)."""
+    Two processes: each one's own rollouts (rank 0 wrote its own alone, and rank 1 trained on them). The SIGTERM
+    case resumes from both checkpoints, ModelCheckpoint's step=1.ckpt first, against one uninterrupted run."""
     config = write_tiny_config(
         tmp_path_factory.mktemp("cfg") / "grpo_acc.yaml", tiny_model, prompts_per_step=1, max_steps=3,
         rollout={"temperature": 1.0, "stop": ["e", "a", "o"]},
@@ -172,16 +173,17 @@ def test_accumulated_run_resumed_from_a_checkpoint_equals_uninterrupted(tiny_mod
                                 "init_args": {"every_n_train_steps": 1, "save_top_k": -1, "filename": "{step}"}}]})
     procs = ("--trainer.devices", str(devices))
     whole = fit(config, tmp_path / "whole", *procs)
-    ckpt = next((tmp_path / "whole").rglob("checkpoints/step=1.ckpt"))
+    checkpoints = [next((tmp_path / "whole").rglob("checkpoints/step=1.ckpt"))]
     if stop == "SIGTERM":  # stops after step 0's optimizer step (esrl.callbacks.interruption)
         monkeypatch.setenv("PYTHONPATH", str(FIXTURES))
         out = run_esrl("fit", "--config", config, "--algo", "grpo", "--trainer.default_root_dir", tmp_path / "stop",
                        "--trainer.callbacks+=signal_at_step.SignalAtStep", "--trainer.callbacks.at=0")
         assert out.returncode == 143, out.stderr[-3000:]
-        ckpt = next((tmp_path / "stop").rglob("checkpoints/interrupted.ckpt"))
-    assert torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"] == 1  # rollouts: plain tensors
-    resumed = fit(config, tmp_path / "resumed", "--ckpt_path", str(ckpt), *procs)
-    assert_same_tensors(load_safetensors(whole), load_safetensors(resumed))
+        checkpoints.append(next((tmp_path / "stop").rglob("checkpoints/interrupted.ckpt")))
+    for i, ckpt in enumerate(checkpoints):
+        assert torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"] == 1  # rollouts: plain tensors
+        resumed = fit(config, tmp_path / f"resumed{i}", "--ckpt_path", str(ckpt), *procs)
+        assert_same_tensors(load_safetensors(whole), load_safetensors(resumed))
     if devices == 2:  # another number of processes cannot share the window's rollouts out: one line
         out = run_esrl("fit", "--config", config, "--algo", "grpo", "--trainer.default_root_dir", tmp_path / "one",
                        "--ckpt_path", ckpt)

