@@ -55,10 +55,13 @@ def conciseness_data(prompts_per_step: int = 1):
 
 class FailAt(L.Callback):
     """Makes `target(module)`'s `name` raise `error` once trainer.global_step reaches `step` (`when(*args)` narrows
-    the calls; an iteration's update counts its step before the calls after it)."""
+    the calls; an iteration's update counts its step before the calls after it); `after`: the call runs first, then
+    raises (a failure part way through it, its work done)."""
 
-    def __init__(self, target, name: str, step: int, when=lambda *a: True, error: type[Exception] = RuntimeError):
+    def __init__(self, target, name: str, step: int, when=lambda *a: True, error: type[Exception] = RuntimeError,
+                 after: bool = False):
         self.target, self.name, self.step, self.when, self.error = target, name, step, when, error
+        self.after = after
 
     def on_train_start(self, trainer, module):
         obj = self.target(module)
@@ -66,6 +69,8 @@ class FailAt(L.Callback):
 
         def failing(*args, **kwargs):
             if trainer.global_step >= self.step and self.when(*args):
+                if self.after:
+                    method(*args, **kwargs)
                 raise self.error(f"{self.name} failed (injected)")
             return method(*args, **kwargs)
 

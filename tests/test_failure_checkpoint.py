@@ -71,10 +71,14 @@ def test_a_failed_step_leaves_a_checkpoint_that_resumes_into_the_weights_of_a_ru
 
 def test_no_checkpoint_of_a_state_that_could_not_resume(tiny_model, tmp_path):
     """Not saved: GRPO's update applied but not yet counted by Lightning (the engine's sync after it failed: a resume
-    would apply it twice), a non-finite update (its weights are the failure), a failure in an epoch's end hooks (its
+    would apply it twice), an optimizer step that failed part way (ES and GRPO: AdamW's moments and decay, some
+    tensors stepped: its weights are neither step's; before, both saved them as the step's start), a non-finite update (its weights are the failure), a failure in an epoch's end hooks (its
     loop counters resumed one batch off), and a fit that failed before finishing a step (nothing to keep). A step
     that failed after the first: saved."""
+    optimizer = lambda m: m.trainer.optimizers[0]  # noqa: E731 - the torch optimizer Lightning's step calls
     cases = {"uncounted": ("grpo", FailAt(lambda m: m, "sync_engine", 1), None),
+             "es_partial_step": ("es", FailAt(optimizer, "step", 1, after=True), None),
+             "grpo_partial_step": ("grpo", FailAt(optimizer, "step", 1, after=True), None),
              "non_finite": ("es", FailAt(lambda m: m.task, "rewards", 1, error=NonFiniteUpdateError), None),
              "first_step": ("es", FailAt(lambda m: m.task, "rewards", 0), None),
              "epoch_end": ("es", FailAt(lambda m: m, "on_train_epoch_end", 1), None),
@@ -133,3 +137,32 @@ def test_a_fit_that_failed_resumes_into_the_files_and_weights_of_a_fit_never_sto
     assert _files(tmp_path / "failed") == _files(tmp_path / "whole")
     (whole,), (after,) = (tmp_path / "whole").rglob("final"), (tmp_path / "failed").rglob("final")
     assert_same_tensors(load_safetensors(after / "model.safetensors"), load_safetensors(whole / "model.safetensors"))
+
+
+class SaveDuringGenerate(L.Callback):
+    """Asks for a checkpoint from inside a member's rollout at `step`, as a signal handler does (Lightning's SLURM
+    auto-requeue saves from its SIGUSR1 handler wherever the step is)."""
+
+    def __init__(self, path, step: int):
+        self.path, self.step = path, step
+
+    def on_train_start(self, trainer, module):
+        generate = module.engine.generate
+
+        def saving(*args, **kwargs):
+            if trainer.global_step == self.step:
+                trainer.save_checkpoint(self.path)
+            return generate(*args, **kwargs)
+
+        module.engine.generate = saving
+
+
+def test_a_checkpoint_asked_for_while_a_member_is_in_the_weights_is_refused(tiny_model, tmp_path):
+    """Full mode writes a member's noise into the weights: a save then (before: saved, and resumed as the step's
+    start) is one error naming the cause; the member is restored and the failure checkpoint holds step 1's end."""
+    mid = tmp_path / "mid.ckpt"
+    module = _fit(tiny_model, tmp_path, "es", callbacks=[SaveDuringGenerate(mid, 1)])
+    assert "while a population member's noise is in the weights" in str(module.error) and not mid.exists()
+    ckpt = _saved(tmp_path)
+    assert ckpt["global_step"] == 1
+    assert all(torch.equal(ckpt["state_dict"][f"policy.{n}"], p) for n, p in module.policy.named_parameters())

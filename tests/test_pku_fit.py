@@ -249,3 +249,18 @@ def test_env_asks_the_service_with_the_token_a_fit_sends(service, tiny_model, tm
                                                                           "scorer": f"http://127.0.0.1:{free_port()}"}}}
     (down,) = [n for n in needs.remote_needs(service_down) if n.field.startswith("data.task_args.scorer")]
     assert down.status == needs.MISSING and down.fix.startswith("start it: esrl serve-scorer")
+
+
+def test_a_fit_whose_scorer_is_down_is_one_line_before_any_model_loads(tiny_model, tmp_path):
+    """The scorer is asked once (GET /health, the config's retries) before the policy loads: with a 7B policy the
+    user heard of a scorer that is down only after the whole load, and an empty run folder was left behind."""
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens
+    out = run_esrl("fit", "--config", pku_config(tmp_path / "pku.yaml", tiny_model, url),
+                   "--trainer.default_root_dir", tmp_path / "run")
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("esrl: error:")]
+    assert len(errors) == 1, out.stderr[-3000:]
+    assert errors[0].startswith(f"esrl: error: data.task_args.scorer: scorer {url}/health: unreachable after 2 "
+                                "attempts (ConnectError")
+    assert errors[0].endswith("start it (esrl serve-scorer) or fix the URL")
+    assert not (tmp_path / "run").exists()  # nothing built: no run folder, no model loaded

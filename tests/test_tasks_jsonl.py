@@ -104,9 +104,15 @@ def test_encoding_error_names_its_line(tmp_path):
         read_jsonl(path)
 
 
-def test_missing_file(tmp_path):
-    with pytest.raises(DataError, match=r"absent.jsonl: file not found"):
+def test_missing_file(tmp_path, monkeypatch):
+    with pytest.raises(DataError, match=r"absent.jsonl: file not found$"):
         build(str(tmp_path / "absent.jsonl"), reward_funcs=["esrl.tasks.conciseness:completion_length"])
+    # a shipped config run from another folder: its relative data path names the folder it was looked for in
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError) as e:
+        build("configs/data/absent.jsonl", reward_funcs=["esrl.tasks.conciseness:completion_length"])
+    assert str(e.value) == (f"configs/data/absent.jsonl: file not found in {tmp_path} (a relative path is read from "
+                            "the current folder)")
 
 
 def test_json_list_syntax_error_names_line(tmp_path):

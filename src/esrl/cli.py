@@ -30,6 +30,7 @@ from esrl.module_factory import build_module, fit_trainer_to_algo
 from esrl.parser_errors import help_hint, one_line
 from esrl.resume import ResumePlan, config_file_arg, explicit_fields, load_for_plan, plan_resume, resumed_version
 from esrl.needs import check as check_needs
+from esrl.needs import check_scorer
 
 
 # Config fields are documented by the docstring under each (TRL's style); --help shows them (no slower here).
@@ -119,6 +120,7 @@ class EsrlCLI(LightningCLI):
             print(f"esrl: --algo {config.algo}: {'; '.join(notes)} (GRPO settings; ES has no gradient)",
                   file=sys.stderr)
         check_needs(config.as_dict())  # a missing package or GPU: one line now, before any model loads
+        check_scorer(config.as_dict())  # a scorer that is down, likewise
         check_root_dir(trainer.default_root_dir)  # below a file: one line, not makedirs' traceback at setup
         if self.subcommand == "fit" and trainer.limit_val_batches is None:
             trainer.limit_val_batches = 0  # fit evaluates through the Evaluation callback, on steps not epochs

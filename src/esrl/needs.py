@@ -1,9 +1,9 @@
 """What a config needs beyond the base install: optional packages, GPUs, the embedded model, services, files.
 
-`esrl fit` checks the local needs (packages, GPUs, the embedded model) before anything is built, so a
-missing piece is one line naming the command that installs it, not an ImportError or a CUDA error after
-minutes of model loading. `esrl env --config FILE` checks those and also what sits outside this process
-(a scorer URL that should answer, hub models and data sets, local files).
+`esrl fit` checks the local needs (packages, GPUs, the embedded model) and that a scorer URL answers
+(check_scorer) before anything is built, so a missing piece is one line naming the command that installs
+it, not an ImportError or a CUDA error after minutes of model loading. `esrl env --config FILE` checks those
+and also what sits outside this process (a scorer URL that should answer, hub models and data sets, local files).
 """
 
 from __future__ import annotations
@@ -195,6 +195,29 @@ def _scorer_need(url: str, token: str | None) -> Need:
             "the token is refused; give the service's" if token else
             "it wants a token; set ESRL_SCORER_TOKEN or ESRL_SCORER_TOKEN_FILE (or data.task_args.token)"))
     return Need(field, what, OK if code == 200 else MISSING, f"it answers {code}; {start}")
+
+
+def check_scorer(config: dict) -> None:
+    """A scorer URL (data.task_args.scorer) that does not answer GET /health with the run's own timeout, retries and
+    backoff: one line now, before a policy loads for minutes only to meet a scorer that is down. Values the task's own
+    checks refuse are left to them."""
+    url = str(_get(config, "data.task_args.scorer", ""))
+    if not url.startswith(("http://", "https://")):
+        return
+    from esrl.errors import EsrlError, ScorerError
+    from esrl.scoring.client import HTTPScorer
+
+    options = {k: _get(config, f"data.task_args.{k}") for k in ("token", "timeout", "retries", "backoff")}
+    try:
+        scorer = HTTPScorer(url, **{k: v for k, v in options.items() if v is not None})
+    except (TypeError, ValueError, EsrlError):
+        return
+    try:
+        scorer.health()
+    except ScorerError as e:
+        raise ScorerError(f"data.task_args.scorer: {e}; start it (esrl serve-scorer) or fix the URL") from None
+    finally:
+        scorer.close()
 
 
 def remote_needs(config: dict) -> list[Need]:

@@ -223,7 +223,15 @@ class PolicyModule(L.LightningModule):
         return {"train/lambda": used, "train/cost_mean": cost_sum / count,
                 "train/raw_reward_mean": raw_reward_sum / count, "train/safe_frac": safe_sum / count}
 
+    def mid_step(self) -> str | None:
+        """What makes the weights no step's own right now (None: they are a step's): a checkpoint refuses them."""
+        return "an optimizer step is updating them" if getattr(self, "update_in_flight", False) else None
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if (why := self.mid_step()) is not None:  # a save from a signal handler, e.g. Lightning's SLURM auto-requeue
+            raise EsrlError(f"a checkpoint was requested at step {self.global_step} while {why}; nothing was saved "
+                            "(SLURM: --trainer.plugins.auto_requeue false, or slurm/fit.sbatch, which saves at a "
+                            "step's end)")
         if self._trainer is not None:  # a resumed run continues this folder (esrl.cli)
             checkpoint["esrl_run_dir"] = str(self.run_dir())
         if self._trainer is not None and self.constraint is not None:
@@ -233,7 +241,7 @@ class PolicyModule(L.LightningModule):
         self._lagrangian_state = checkpoint.get("esrl_lagrangian")
 
     def on_train_start(self) -> None:
-        self.update_in_flight = False  # an update applied but not yet counted (GRPO's optimizer_step): no checkpoint
+        self.update_in_flight = False  # an update begun but not yet counted (optimizer_step): no failure checkpoint
         self.prepare_rollouts()
 
     def prepare_rollouts(self) -> None:

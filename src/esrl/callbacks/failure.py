@@ -13,7 +13,8 @@ that failed in an evaluation resumed without that evaluation. Here:
 - A failure after the update counted (ES's engine sync after its update; an evaluation at the step's end): the step is
   done and the checkpoint holds it; an evaluation it did not finish runs on resume (esrl.callbacks.evaluation).
 - Not saved: a second Ctrl+C (KeyboardInterrupt: stop at once), a non-finite update (its weights are the failure),
-  GRPO's update applied but not yet counted (`update_in_flight`: a resume would apply it twice), a failure inside an
+  an update applied or begun but not yet counted (`update_in_flight`: GRPO's engine sync after its step; an optimizer
+  step of either that failed part way, its weights neither step's: a resume would apply it twice), a failure inside an
   accumulation window after its first micro-batch (the window's rollouts and gradients are in no checkpoint), one in
   an epoch's end hooks (its loop counters resume one batch off), a fit that finished no step since it started, and
   several processes: the save is a collective that ranks which did not fail would not join, so their periodic

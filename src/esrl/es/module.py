@@ -200,7 +200,7 @@ class ESModule(PolicyModule):
             # grad = -g, then ONE step through Lightning's optimizer (its precision and strategy plugins see
             # it; SGD lr=alpha: theta += alpha g); the engine then sees the updated policy.
             alpha = opt.optimizer.param_groups[0]["lr"]  # model.es.alpha (ES takes no --lr_scheduler)
-            es_step(opt.optimizer, self.selection, members, shaped, self.noise_spec, step=opt.step,
+            es_step(opt.optimizer, self.selection, members, shaped, self.noise_spec, step=self._counted_step(opt),
                     iteration=iteration)
             if self.trainer.is_global_zero:  # recorded with the update itself: a checkpoint saved if anything after
                 self._append_seed_log(iteration, members, shaped, alpha)  # fails holds one record per update
@@ -215,6 +215,15 @@ class ESModule(PolicyModule):
 
         extra.update(completion_metrics(scores, functions))
         self._log_iteration(fitness, shaped, alpha, time.perf_counter() - start, extra)
+
+    def _counted_step(self, opt):
+        """opt.step, marked in flight while it runs: one that fails part way (an OOM inside AdamW) has changed some
+        weights and moments but counted no step, so no checkpoint may call that state the step's start."""
+        def step():
+            self.update_in_flight = True
+            opt.step()
+            self.update_in_flight = False
+        return step
 
     def check_drift(self, iteration: int) -> None:
         """`iteration`: the seed log's number of the update just applied (global_step has counted it already)."""
@@ -283,6 +292,11 @@ class ESModule(PolicyModule):
         super().prepare_rollouts()
         if self.trainer.ckpt_path is not None:  # an engine with its own weights gets the resumed ones
             self.backend.sync()
+
+    def mid_step(self) -> str | None:
+        if self.backend is not None and self.backend.is_perturbed:
+            return "a population member's noise is in the weights"
+        return super().mid_step()
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)

@@ -330,13 +330,19 @@ class GRPOModule(PolicyModule):
             self.log("train/grad_norm", float(norm), on_step=True, on_epoch=False, sync_dist=True)
 
     # -- vLLM rollouts (rollout.engine: vllm): the engine keeps its own copy of the weights ---------------------
-    def optimizer_step(self, *args, **kwargs) -> None:
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         """Lightning's optimizer step, then the new weights pushed into a vLLM engine (HF names; model.grpo.lora: its
         adapter only; vllm_sleep: the push wakes it; not with ZeRO-3's partitioned parameters; the HF engine uses the
         policy itself); non-finite weights stop the run (esrl.finite)."""
         step = self.global_step
-        super().optimizer_step(*args, **kwargs)
-        self.update_in_flight = True  # esrl.callbacks.failure: a checkpoint now would hold an uncounted update
+
+        def closure_then_update():  # after the closure (rollouts, loss, backward) the optimizer changes the weights
+            result = optimizer_closure() if optimizer_closure is not None else None
+            self.update_in_flight = True  # esrl.callbacks.failure: a checkpoint now would hold a partial or
+            return result  # uncounted update
+
+        super().optimizer_step(epoch, batch_idx, optimizer, closure_then_update)
+        self.update_in_flight = True
         if self._closes_window:  # else DeepSpeed, mid-window: its engine took no step (see training_step)
             check_weights((p for p in self.policy.parameters() if p.requires_grad), algo="GRPO", step=step)
             self.sync_engine()
