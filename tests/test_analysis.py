@@ -217,6 +217,22 @@ def test_out_that_is_a_file_is_one_line_and_exit_2(tiny_model, tmp_path):
                                                f"{taken} is a file"]
 
 
+def test_models_of_two_architectures_are_one_line_before_any_analysis_runs(tiny_model, tmp_path):
+    """`all` ran robustness to its end (hours on a 7B model) before similarity loaded both models and found them
+    apart; their configs are now compared first (on the meta device, no weights read)."""
+    from esrl.models import tiny_llama
+
+    wider = tiny_llama(tmp_path / "wider", hidden_size=32)
+    out = tmp_path / "out"
+    res = run_esrl("analyze", "all", "--base", tiny_model, "--models", f"wide={wider}", *TASK_ARGS,
+                   "--max-new-tokens", 2, "--num-prompts", 1, "--sigmas", "0,0.05", "--seeds", 1, "--alphas", "0,1",
+                   "--coverage-k", 1, "--no-progress", "--out", out)
+    assert res.returncode == 2, res.stderr[-3000:]
+    (line,) = res.stderr.strip().splitlines()
+    assert line.startswith("esrl analyze: error: models ") and "have different parameters" in line, line
+    assert not out.exists()  # nothing ran
+
+
 def test_sweep_summary_table(sweep):
     rows = list(csv.DictReader((sweep / "summary.csv").open()))
     assert len(rows) == 4

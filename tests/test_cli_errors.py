@@ -166,6 +166,14 @@ def test_a_section_given_as_a_path_is_a_file_of_its_options(tmp_path):
     assert out.returncode == 0 and "  max_steps: 3\n" in out.stdout, out.stderr[-2000:]
 
 
+def test_print_config_refuses_what_the_fit_would_refuse():
+    """--print_config prints at parse time, before the constructors' checks: it printed `sigma: -1.0` and exited 0,
+    where the fit says one line and exits 2."""
+    out = run_esrl("fit", "--config", DEMO, "--model.es.sigma", "-1", "--print_config")
+    assert out.returncode == 2 and out.stdout == "", out.stdout[-2000:]
+    assert error_lines(out) == ["esrl: error: --print_config: model.es.sigma: must be > 0, got -1.0"]
+
+
 def test_yaml_syntax_error_names_the_file_line_and_column(tmp_path):
     config = tmp_path / "broken.yaml"
     config.write_text("model:\n  policy: {name_or_path: x\ntrainer:\n  max_steps: 2\n")

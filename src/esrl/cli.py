@@ -58,6 +58,11 @@ class EsrlCLI(LightningCLI):
         for i in range(len(argv)):  # jsonargparse's reading of a binary config file was a UnicodeDecodeError
             if (path := config_file_arg(argv, i)) and os.path.isfile(path):  # False for inline YAML of any length
                 read_text(path, "--config")
+        printing = [a for a in argv if a == "--print_config" or a.startswith("--print_config=")]
+        if argv[:1] == ["fit"] and printing:  # it prints at parse time, before the constructors' checks: run them
+            from esrl.fit_check import check_fit_args
+
+            check_fit_args([(printing[0], [a for a in argv[1:] if a not in printing])])
         super().parse_arguments(parser, args)
         self._resume = None
         if self.config.get("subcommand"):
@@ -106,6 +111,13 @@ class EsrlCLI(LightningCLI):
         # message then names no second base class
         parser.add_lr_scheduler_args((LRScheduler,), link_to="model.lr_scheduler")
 
+    def _scorer_answers(self) -> None:
+        """A scorer that is down: one line before any model loads (they load in trainer.fit's configure_model). Not in
+        before_instantiate_classes: `esrl study`/`sweep`'s and --print_config's checks stop after the constructors."""
+        check_scorer(self.config[self.subcommand].as_dict())
+
+    before_fit = before_validate = before_test = _scorer_answers
+
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         for field, value in (self._resume.overrides if self._resume else {}).items():
@@ -120,7 +132,6 @@ class EsrlCLI(LightningCLI):
             print(f"esrl: --algo {config.algo}: {'; '.join(notes)} (GRPO settings; ES has no gradient)",
                   file=sys.stderr)
         check_needs(config.as_dict())  # a missing package or GPU: one line now, before any model loads
-        check_scorer(config.as_dict())  # a scorer that is down, likewise
         check_root_dir(trainer.default_root_dir)  # below a file: one line, not makedirs' traceback at setup
         if self.subcommand == "fit" and trainer.limit_val_batches is None:
             trainer.limit_val_batches = 0  # fit evaluates through the Evaluation callback, on steps not epochs

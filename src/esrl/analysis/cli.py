@@ -18,7 +18,8 @@ from typing import Any
 import yaml
 
 from esrl.analysis import connectivity, coverage, robustness, similarity
-from esrl.analysis.common import AnalysisError, Context, ModelRef, RewardEvaluator, eval_rows, write_json
+from esrl.analysis.common import (AnalysisError, Context, ModelRef, RewardEvaluator, check_same_configs, eval_rows,
+                                  write_json)
 from esrl.checkpoints import check_root_dir
 from esrl.config_files import load_yaml
 from esrl.errors import ConfigError
@@ -168,6 +169,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for ref in [base, *models]:
         if ref is not None:
             ref.path = resolve_model_path(ref.path)  # the embedded model: its cached folder
+    if {"similarity", "connectivity"} & set(names):  # they compare the models weight by weight
+        check_same_configs([r for r in [base, *models] if r is not None])
     try:
         task = build_task(args.task, **options)
     except ConfigError as e:  # named as this command's flags, not a fit config's fields

@@ -55,6 +55,23 @@ def check_same_architecture(a: torch.nn.Module, b: torch.nn.Module, label_a: str
                             f"{diff[0][0] if diff else '?'}); weight-space analyses need one architecture")
 
 
+def check_same_configs(refs: list[ModelRef]) -> None:
+    """check_same_architecture on models built from their config.json on the meta device (no weights read): a
+    mismatch is one line before any analysis runs, not after hours of robustness on a 7B model. A config that will
+    not build is left to the load to report."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    built = []
+    for ref in refs:
+        try:
+            with torch.device("meta"):
+                built.append((ref, AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ref.path))))
+        except Exception:  # noqa: BLE001 - the model's own load names the problem
+            return
+    for ref, model in built[1:]:
+        check_same_architecture(built[0][1], model, built[0][0].label, ref.label)
+
+
 # -- layer groups ------------------------------------------------------------------------------------------
 _LAYER = re.compile(r"\.(?:layers|h|blocks|layer)\.(\d+)\.")
 ANALYSIS_STATE = SimpleNamespace(global_step=0, max_steps=0, epoch=0)
