@@ -6,18 +6,20 @@ import os
 import socket
 from pathlib import Path
 
-import lightning as L
-import pytest
-import torch
-from cli_runner import CALLS, ESRL, ROOT, run_esrl, stop_server  # noqa: F401 (ESRL, ROOT, run_esrl: for the tests)
+# Before the imports below: huggingface_hub reads HF_HUB_OFFLINE once, when lightning's imports first load it (under
+# pytest-xdist the workers inherited it from the controller; one process, `make test TEST_WORKERS=1`, did not).
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import lightning as L  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from cli_runner import CALLS, ESRL, ROOT, run_esrl, stop_server  # noqa: E402, F401 (ESRL, ROOT, run_esrl: tests')
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CONCISENESS_FILES = {"train_path": str(FIXTURES / "conciseness_train3.jsonl"),  # 3 train prompts
                      "eval_path": str(FIXTURES / "conciseness_eval2.jsonl")}  # 2 eval prompts
-
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 @pytest.fixture(scope="session")
