@@ -53,7 +53,8 @@ export ESRL_TOKENIZER=$PWD/.gpu/tok
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, transformers, lightning; print('torch', torch.__version__, 'transformers', transformers.__version__, 'lightning', lightning.__version__)" | tee -a "$OUT/device.txt"
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
-quiet() { grep -v -E "Warning: |warn_once\(|warnings\.warn\("; }  # Python's warning lines, not pytest's summary
+quiet() { grep --line-buffered -v -E "Warning: |warn_once\(|warnings\.warn\("; }  # Python's warnings; line by line (a kill
+# of the call keeps what was written)
 BENCH="--model random:qwen2.5-1.5b --device cuda --prompts 8 --new-tokens 256 --members 30 --tokenizer $PWD/.gpu/tok"
 
 fused() {  # recorded only, then torch.compile'd and recorded, each in one process (~3 minutes each)
@@ -66,7 +67,7 @@ kernel() {  # launch_plan's blocks and the torch ops side by side, per projectio
     --default-only 2>&1 | quiet | tee "$OUT/lowrank_kernel.jsonl" | grep -E '"best"|"linears"|Error'
 }
 inside() {  # the member terms inside the projection's GEMM, priced per projection before anyone builds it
-  timeout ${INSIDE_S:-120} python3 benchmarks/gpu/inside_gemm.py 2>&1 | quiet | tee "$OUT/inside_gemm.jsonl" | grep -E 'per_step|Error'
+  timeout -k 5 ${INSIDE_S:-120} python3 benchmarks/gpu/inside_gemm.py --ranks 8,1 2>&1 | quiet | tee "$OUT/inside_gemm.jsonl" | grep -E 'per_step|Error'
 }
 inside_mlp() {  # the inside path's own module against the kernel's, per MLP layer (its layout, copies and strided reads)
   timeout ${INSIDE_MLP_S:-60} python3 benchmarks/gpu/inside_mlp.py 2>&1 | quiet | tee "$OUT/inside_mlp.jsonl" | grep -E 'rank|Error'
@@ -81,10 +82,12 @@ if [ -n "$NEXT" ]; then  # the pricing first (inside, the ratios side by side, g
 fi
 if has profile; then
   profile_s=${PROFILE_S:-200}; [ $(( BUDGET_S - SECONDS - 20 )) -lt "$profile_s" ] && profile_s=$(( BUDGET_S - SECONDS - 20 ))
-  timeout $profile_s python3 benchmarks/gpu/decode_profile.py ${PROFILE_ARGS:-} 2>&1 | quiet | tee "$OUT/decode_profile.log"
+  if [ "$profile_s" -ge 10 ]; then  # (timeout 0 would mean no limit)
+    timeout -k 5 $profile_s python3 benchmarks/gpu/decode_profile.py ${PROFILE_ARGS:-} 2>&1 | quiet | tee "$OUT/decode_profile.log"
+  else echo "profile: skipped, ${profile_s} s left"; fi
 fi
 gpu_tests() {  # $1: seconds, $2: a -k expression (empty: all), $3: the log's suffix
-  timeout $1 python3 -m pytest -v -m gpu tests/test_gpu_kernels.py tests/test_gpu.py -p no:cacheprovider --durations=8 ${2:+-k "$2"} 2>&1 | quiet | tee "$OUT/gpu_tests$3.log" | tail -15
+  timeout -k 5 $1 python3 -m pytest -v -m gpu tests/test_gpu_kernels.py tests/test_gpu.py -p no:cacheprovider --durations=8 ${2:+-k "$2"} 2>&1 | quiet | tee "$OUT/gpu_tests$3.log" | tail -15
 }
 if has tests; then  # TESTS_FIRST: a -k expression run first (tests never run on a GPU), the rest after
   if [ -n "${TESTS_FIRST:-}" ]; then
@@ -110,7 +113,7 @@ fi
 has sbs && sbs
 if has deepspeed; then  # GRPO's GPU tests under ZeRO: issue16.sh (DeepSpeed installed from .whl/sdist, ~10-30 s)
   left=$(( ${DEEPSPEED_S:-BUDGET_S - SECONDS} ))
-  if [ "$left" -gt 90 ]; then TEST_TIMEOUT=$(( left - 60 )) timeout $left bash benchmarks/gpu/issue16.sh
+  if [ "$left" -gt 90 ]; then TEST_TIMEOUT=$(( left - 60 )) timeout -k 5 $left bash benchmarks/gpu/issue16.sh
   else echo "deepspeed: skipped, ${left} s left"; fi
 fi
 if has host; then  # the iteration's work around its generate: loads and update, factors drawn once or twice

@@ -15,10 +15,10 @@ export ESRL_TOKENIZER=$PWD/.gpu/tok
 DS_BUILD_OPS=0 timeout 300 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
   --target /tmp/site .whl/sdist/deepspeed-*.tar.gz 2>&1 | tail -5 | tee "$OUT/deepspeed_install.log"
 [ "${PIPESTATUS[0]}" = 0 ] || { echo "deepspeed: install failed (the tests would only skip)"; exit 1; }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$OUT/device.txt"
 python3 -c "import torch, transformers, lightning, deepspeed, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'lightning', lightning.__version__, 'deepspeed', deepspeed.__version__, 'peft', peft.__version__)" | tee -a "$OUT/device.txt"
-timeout ${TEST_TIMEOUT:-420} python3 -m pytest -v -m gpu tests/test_gpu_deepspeed.py -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
-  | grep -v -i warn | tee "$OUT/deepspeed_tests.log" | tail -30
+timeout -k 5 ${TEST_TIMEOUT:-420} python3 -m pytest -v -m gpu tests/test_gpu_deepspeed.py -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 \
+  | grep --line-buffered -v -i warn | tee "$OUT/deepspeed_tests.log" | tail -30
 rc=${PIPESTATUS[0]}
 ls -la "$OUT"
 exit "$rc"
