@@ -171,7 +171,7 @@ def test_print_config_refuses_what_the_fit_would_refuse():
     where the fit says one line and exits 2."""
     out = run_esrl("fit", "--config", DEMO, "--model.es.sigma", "-1", "--print_config")
     assert out.returncode == 2 and out.stdout == "", out.stdout[-2000:]
-    assert error_lines(out) == ["esrl: error: --print_config: model.es.sigma: must be > 0, got -1.0"]
+    assert error_lines(out) == ["esrl: error: model.es.sigma: must be > 0, got -1.0"]
 
 
 def test_yaml_syntax_error_names_the_file_line_and_column(tmp_path):

@@ -62,7 +62,7 @@ class EsrlCLI(LightningCLI):
         if argv[:1] == ["fit"] and printing:  # it prints at parse time, before the constructors' checks: run them
             from esrl.fit_check import check_fit_args
 
-            check_fit_args([(printing[0], [a for a in argv[1:] if a not in printing])])
+            check_fit_args([("", [a for a in argv[1:] if a not in printing])])
         super().parse_arguments(parser, args)
         self._resume = None
         if self.config.get("subcommand"):
