@@ -203,10 +203,12 @@ finally:
 """
 
 
-@pytest.mark.parametrize("algo, loads", [("grpo", 0), ("es", 1)])
-def test_the_evaluation_kl_reads_grpos_reference_not_a_second_copy(tiny_model, tmp_path, algo, loads):
+@pytest.mark.parametrize("algo, lora, loads", [("grpo", False, 0), ("es", False, 1), ("grpo", True, 0),
+                                               ("es", True, 0)])
+def test_the_evaluation_kl_reads_grpos_reference_not_a_second_copy(tiny_model, tmp_path, algo, lora, loads):
     """GRPO with beta > 0 holds the base weights (its KL reference) on the device; the evaluation's KL once loaded
     another copy (a 7B model's 14-28 GB more per GPU). It reads the reference now; ES, which holds none, loads it.
+    A LoRA run of either (its base never trains) reads the policy with its adapter off: it loaded a copy too.
     Either way the KL is to the base: 0 before the first step, above 0 after it."""
     import json
     import subprocess
@@ -219,9 +221,11 @@ def test_the_evaluation_kl_reads_grpos_reference_not_a_second_copy(tiny_model, t
                                grpo={"num_generations": 2, "beta": 0.04, "learning_rate": 1e-2},
                                trainer={"callbacks": [{"class_path": "esrl.callbacks.Evaluation",
                                                        "init_args": {"num_samples": 2, "kl": True}}]})
+    adapter = {"es": ["--model.es.mode", "lora", "--model.es.lora_rank", "2"],
+               "grpo": ["--model.grpo.lora", "{rank: 2, alpha: 4}", "--model.grpo.learning_rate", "3e-1"]}[algo]
     done = subprocess.run([sys.executable, "-c", EVALUATION_LOADS, "fit", "--config", str(config), "--algo", algo,
-                           "--trainer.default_root_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+                           "--trainer.default_root_dir", str(tmp_path), *(adapter if lora else [])], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and f"EVALUATION_LOADS {loads}\n" in done.stdout, \
         done.stdout[-2000:] + done.stderr[-3000:]
     evals = [json.loads(line) for line in next(tmp_path.rglob("eval.jsonl")).read_text().splitlines()]

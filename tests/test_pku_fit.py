@@ -262,5 +262,5 @@ def test_a_fit_whose_scorer_is_down_is_one_line_before_any_model_loads(tiny_mode
     assert len(errors) == 1, out.stderr[-3000:]
     assert errors[0].startswith(f"esrl: error: data.task_args.scorer: scorer {url}/health: unreachable after 2 "
                                 "attempts (ConnectError")
-    assert errors[0].endswith("start it (esrl serve-scorer) or fix the URL")
+    assert errors[0].endswith("start it: esrl serve-scorer --reward-model ... --port ...")
     assert not (tmp_path / "run").exists()  # nothing built: no run folder, no model loaded

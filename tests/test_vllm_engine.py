@@ -130,8 +130,9 @@ def test_separate_es_backend_keeps_the_engine_equal_to_the_policy(engine, smol, 
 
     path, tok, base = smol
     model = load_causal_lm(path)
-    # two of the 30 layers (the first and the last): every kind of linear and norm, a fifteenth of the noise to draw
-    selection = select_params(model, include=[r"layers\.(0|29)\."])
+    # two of the 30 layers (the first and the last) and the final norm: every kind of linear and norm, in and out of
+    # the layers, a fifteenth of the noise to draw
+    selection = select_params(model, include=[r"layers\.(0|29)\.", r"^model\.norm\."])
     spec = NoiseSpec(sigma=0.05)
     backend = SeparateES(engine, model, selection, spec, get_mode("full"))
     members = population(7, 0, 2, antithetic=True)

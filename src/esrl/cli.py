@@ -58,11 +58,9 @@ class EsrlCLI(LightningCLI):
         for i in range(len(argv)):  # jsonargparse's reading of a binary config file was a UnicodeDecodeError
             if (path := config_file_arg(argv, i)) and os.path.isfile(path):  # False for inline YAML of any length
                 read_text(path, "--config")
-        printing = [a for a in argv if a == "--print_config" or a.startswith("--print_config=")]
-        if argv[:1] == ["fit"] and printing:  # it prints at parse time, before the constructors' checks: run them
-            from esrl.fit_check import check_fit_args
-
-            check_fit_args([("", [a for a in argv[1:] if a not in printing])])
+        if any(a == "--print_config" or a.startswith("--print_config=") for a in argv):  # printed at parse time
+            print("esrl: --print_config prints the values as given; a fit checks them when it starts (before any "
+                  "model loads)", file=sys.stderr)
         super().parse_arguments(parser, args)
         self._resume = None
         if self.config.get("subcommand"):

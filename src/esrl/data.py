@@ -26,7 +26,8 @@ class PromptSampler(DistributedSampler):
     `window_size` indices (an optimizer step's prompts) and each window is served A times, once per micro-batch,
     as TRL's RepeatSampler does: so an algorithm can roll out a whole optimizer step at its first micro-batch and
     normalize by the step's token count before the first backward. A last window that is not full is skipped that
-    epoch (the next epoch reshuffles), as TRL's RepeatSampler skips it.
+    epoch (the next epoch reshuffles), as TRL's RepeatSampler skips it, with or without accumulation: every step
+    has its prompts_per_step prompts (an ES iteration of fewer prompts scored its members on a smaller sample).
     """
 
     def __init__(self, n: int, shuffle: bool, seed: int, num_replicas: int = 1, rank: int = 0,
@@ -38,19 +39,16 @@ class PromptSampler(DistributedSampler):
 
     def __iter__(self) -> Iterator[int]:
         indices = list(super().__iter__())
-        if self.window_repeats > 1:
-            size = self.window_size
-            indices = [i for start in range(0, len(indices) - size + 1, size)
-                       for _ in range(self.window_repeats) for i in indices[start:start + size]]
+        size = self.window_size
+        indices = [i for start in range(0, len(indices) - size + 1, size)
+                   for _ in range(self.window_repeats) for i in indices[start:start + size]]
         if self.resume_at is not None and self.resume_at[0] == self.epoch:
             indices = indices[self.resume_at[1]:]
             self.resume_at = None
         return iter(indices)
 
     def __len__(self) -> int:
-        if self.window_repeats > 1:
-            return self.num_samples // self.window_size * self.window_size * self.window_repeats
-        return self.num_samples
+        return self.num_samples // self.window_size * self.window_size * self.window_repeats
 
 
 def _collate(rows: list[dict[str, Any]], micro_batches: int = 1) -> dict[str, Any]:

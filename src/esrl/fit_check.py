@@ -26,7 +26,7 @@ class _Checked(Exception):
 
 def check_fit_args(runs: Sequence[tuple[str, list[str]]], defer: bool = False) -> EsrlError | None:
     """Each (run name, `esrl fit` arguments after `fit`) checked; the first refused raises ConfigError naming the run
-    (an empty name: none) and esrl's own message, or with `defer` returns it (a dry run prints its plan first: planned where the runs will
+    and esrl's own message, or with `defer` returns it (a dry run prints its plan first: planned where the runs will
     not run, a laptop without their GPUs, say). ES's notes on GRPO settings it replaces are the fit's to print."""
     try:
         _check(runs)
@@ -63,9 +63,8 @@ def _check(runs: Sequence[tuple[str, list[str]]]) -> None:
             except _Checked:
                 continue
             except EsrlError as e:
-                raise ConfigError(f"{name}: {e}" if name else str(e)) from None
+                raise ConfigError(f"{name}: {e}") from None
             except argparse.ArgumentError as e:
-                message = one_line(getattr(e, "message", e))
-                raise ConfigError(f"{name}: {message}" if name else message) from None
+                raise ConfigError(f"{name}: {one_line(getattr(e, 'message', e))}") from None
     finally:
         seed_logger.setLevel(level)

@@ -202,8 +202,8 @@ def check_scorer(config: dict) -> None:
     backoff: one line now, before a policy loads for minutes only to meet a scorer that is down. Values the task's own
     checks refuse are left to them."""
     url = str(_get(config, "data.task_args.scorer", ""))
-    if not url.startswith(("http://", "https://")):
-        return
+    if not url.startswith(("http://", "https://")) or ":" in str(_get(config, "data.task", "")):
+        return  # a task of your own (module:function) may call its service otherwise
     from esrl.errors import EsrlError, ScorerError
     from esrl.scoring.client import HTTPScorer
 
@@ -215,7 +215,8 @@ def check_scorer(config: dict) -> None:
     try:
         scorer.health()
     except ScorerError as e:
-        raise ScorerError(f"data.task_args.scorer: {e}; start it (esrl serve-scorer) or fix the URL") from None
+        need = _scorer_need(url, options["token"])  # its advice: a token refused or missing, else start it
+        raise ScorerError(f"data.task_args.scorer: {e}; {need.fix}") from None
     finally:
         scorer.close()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -229,9 +230,12 @@ class PolicyModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if (why := self.mid_step()) is not None:  # a save from a signal handler, e.g. Lightning's SLURM auto-requeue
-            raise EsrlError(f"a checkpoint was requested at step {self.global_step} while {why}; nothing was saved "
-                            "(SLURM: --trainer.plugins.auto_requeue false, or slurm/fit.sbatch, which saves at a "
-                            "step's end)")
+            failed = sys.exc_info()[1]  # ModelCheckpoint(save_on_exception=True) saving after a failure: name it
+            raise EsrlError((f"{type(failed).__name__}: {failed} (the checkpoint saved on it was refused: {why})"
+                             if failed is not None else
+                             f"a checkpoint was requested at step {self.global_step} while {why}; nothing was saved "
+                             "(SLURM: --trainer.plugins.auto_requeue false, or slurm/fit.sbatch, which saves at a "
+                             "step's end)"))
         if self._trainer is not None:  # a resumed run continues this folder (esrl.cli)
             checkpoint["esrl_run_dir"] = str(self.run_dir())
         if self._trainer is not None and self.constraint is not None:

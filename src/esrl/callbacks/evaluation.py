@@ -192,9 +192,12 @@ class Evaluation(L.Callback):
     def _kl(self, module, rows, samples) -> float:
         from esrl.models import load_causal_lm
         from esrl.models.loading import like_policy
+        from esrl.models.lora import is_peft
         from esrl.rollout.text import encode_prompts
 
         base = module.frozen_base()  # GRPO's reference: no second copy of the model on the device
+        if base is None and is_peft(module.policy):  # a LoRA run: its base weights never train, so the policy with
+            base = _AdapterOff(module.policy)  # its adapter off IS the base (a 7B copy kept for the run, before)
         if base is None:
             if self._base is None:
                 # in the policy's dtype as it runs (a true half precision converted it after loading): step 0's
@@ -212,7 +215,6 @@ class Evaluation(L.Callback):
         return total / max(tokens, 1)
 
     def _k3_sums(self, module, base, prompts, samples) -> tuple[float, int]:
-        """The k3 terms summed over the samples' completion tokens, and how many tokens."""
         from esrl.models.logps import packed, per_token_logps
 
         tok = module.tokenizer
@@ -292,4 +294,16 @@ def _trim_table(path, step: int) -> None:
 
     write_with(path, write)
 
+
+class _AdapterOff(torch.nn.Module):
+    """A PEFT policy called with its adapter disabled (PEFT's disable_adapter), as GRPOModule.reference_logps reads
+    its LoRA reference: the base model's log-probs without a second copy of it."""
+
+    def __init__(self, policy: torch.nn.Module):
+        super().__init__()
+        self.policy = [policy]  # not a submodule: nothing here to move, train or save
+
+    def forward(self, *args, **kwargs):
+        with self.policy[0].disable_adapter():
+            return self.policy[0](*args, **kwargs)
 

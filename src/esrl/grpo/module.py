@@ -328,21 +328,19 @@ class GRPOModule(PolicyModule):
         if grads:  # before clipping, as TRL logs it (DeepSpeed keeps its own gradients: none here)
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
             self.log("train/grad_norm", float(norm), on_step=True, on_epoch=False, sync_dist=True)
+        # Last before the optimizer changes the weights (after the callbacks' hooks, on every precision plugin and
+        # DeepSpeed): one that fails part way (an OOM inside AdamW) leaves weights of no step, so no failure
+        # checkpoint may save them as this step's start (esrl.callbacks.failure).
+        self.update_in_flight = True
 
     # -- vLLM rollouts (rollout.engine: vllm): the engine keeps its own copy of the weights ---------------------
-    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+    def optimizer_step(self, *args, **kwargs) -> None:
         """Lightning's optimizer step, then the new weights pushed into a vLLM engine (HF names; model.grpo.lora: its
         adapter only; vllm_sleep: the push wakes it; not with ZeRO-3's partitioned parameters; the HF engine uses the
         policy itself); non-finite weights stop the run (esrl.finite)."""
         step = self.global_step
-
-        def closure_then_update():  # after the closure (rollouts, loss, backward) the optimizer changes the weights
-            result = optimizer_closure() if optimizer_closure is not None else None
-            self.update_in_flight = True  # esrl.callbacks.failure: a checkpoint now would hold a partial or
-            return result  # uncounted update
-
-        super().optimizer_step(epoch, batch_idx, optimizer, closure_then_update)
-        self.update_in_flight = True
+        super().optimizer_step(*args, **kwargs)
+        self.update_in_flight = True  # esrl.callbacks.failure: a checkpoint now would hold an uncounted update
         if self._closes_window:  # else DeepSpeed, mid-window: its engine took no step (see training_step)
             check_weights((p for p in self.policy.parameters() if p.requires_grad), algo="GRPO", step=step)
             self.sync_engine()
