@@ -48,6 +48,20 @@ def test_merged_weights_equal_peft_merge_and_unload_and_leave_the_policy_as_it_w
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
 
 
+def test_the_adapter_names_its_base_by_a_path_that_works_from_anywhere(tiny_model, tmp_path, monkeypatch):
+    """PEFT writes the base's name_or_path as the policy was loaded: a relative folder left final/adapter pointing
+    nowhere once read from another folder or machine (AutoPeftModelForCausalLM.from_pretrained failed)."""
+    import json
+    import os
+    from pathlib import Path
+
+    monkeypatch.chdir(Path(tiny_model).parent)
+    policy = wrap_lora(load_causal_lm(os.path.basename(tiny_model)), LoraOptions(rank=2), 0, GRPO_FIELDS)
+    out = save_final(policy, load_tokenizer(tiny_model), tmp_path / "final")
+    saved = json.loads((out / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert saved == str(Path(tiny_model).resolve())
+
+
 def test_an_adapter_on_a_tied_head_is_refused(tiny_model):
     """The merged lm_head would be saved apart from the embeddings it is tied to, under a config that says tied:
     vLLM and transformers 4 load the embeddings there, without the adapter."""

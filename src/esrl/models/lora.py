@@ -105,7 +105,10 @@ def wrap_lora(model: torch.nn.Module, options: LoraOptions, seed: int, fields: L
                         layers_to_transform=sorted(layers) if layers is not None else None, lora_dropout=0.0,
                         bias="none", task_type="CAUSAL_LM")
     try:
-        with torch.random.fork_rng(devices=[]):  # PEFT's own init draws from the global RNG; ours replaces it
+        # PEFT's own init draws from the global RNG (on a GPU the CUDA one: Lightning's configure_model runs under
+        # the root device), and ours replaces it: neither generator moves
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
             peft_model = get_peft_model(model, config)
     except ValueError as e:  # e.g. "Target modules {...} not found in the base model"
         name = fields.target_modules + ("" if layers is None else f" / {fields.layers}")
@@ -184,6 +187,10 @@ def save_final(policy: torch.nn.Module, tokenizer, out: str | Path) -> Path:
     """
     out = Path(out)
     if is_peft(policy):
+        for config in policy.peft_config.values():  # the base as given: a relative folder read from elsewhere (or
+            base = config.base_model_name_or_path  # AutoPeftModelForCausalLM on final/adapter) found nothing
+            if base and Path(base).expanduser().exists():
+                config.base_model_name_or_path = str(Path(base).expanduser().resolve())
         policy.save_pretrained(out / "adapter", safe_serialization=True)
         policy.get_base_model().save_pretrained(out, state_dict=merged_state_dict(policy), safe_serialization=True)
     else:
