@@ -114,6 +114,26 @@ def test_resume_with_other_hyperparameters_is_one_line_listing_each(slurm_run, c
     assert "Traceback" not in out.stderr
 
 
+def test_a_deepspeed_checkpoint_folder_is_compared_with_the_config_too(slurm_run, config, tmp_path):
+    """A DeepSpeed checkpoint is a folder, its settings in the tag's mp_rank_00_model_states.pt (Lightning's
+    checkpoint less weights and optimizer, as DeepSpeed's client state): it resumed with any settings given (a LoRA
+    alpha changed under ZeRO-2 trained with another scaling, unsaid). Here a hand-made folder of that layout, from a
+    real checkpoint (DeepSpeed needs a GPU)."""
+    import torch
+
+    saved = torch.load(slurm_run["version"] / "checkpoints" / "step=1.ckpt", map_location="cpu", weights_only=True)
+    folder = tmp_path / "run" / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    (folder / "checkpoint").mkdir(parents=True)
+    (folder / "latest").write_text("checkpoint")
+    client = {k: v for k, v in saved.items() if k not in ("state_dict", "optimizer_states")}
+    torch.save({"module": saved["state_dict"], **client}, folder / "checkpoint" / "mp_rank_00_model_states.pt")
+    out = run_esrl("fit", "--config", config, "--ckpt_path", folder, "--trainer.default_root_dir", tmp_path / "run",
+                   "--model.es.alpha", "0.05")
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if line.startswith("esrl: error:")]
+    assert len(lines) == 1 and "model.es.alpha 0.02 in the checkpoint, 0.05 given" in lines[0], out.stderr[-3000:]
+
+
 def test_an_es_checkpoint_resumed_with_grpo_says_so(slurm_run, config, tmp_path):
     ckpt = slurm_run["version"] / "checkpoints" / "step=1.ckpt"
     out = run_esrl("fit", "--config", config, "--ckpt_path", ckpt, "--algo", "grpo",

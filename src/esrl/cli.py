@@ -28,7 +28,8 @@ from esrl.config_files import MODE as CONFIG_MODE
 from esrl.errors import ConfigError, EsrlError, read_text
 from esrl.module_factory import build_module, fit_trainer_to_algo
 from esrl.parser_errors import help_hint, one_line
-from esrl.resume import ResumePlan, config_file_arg, explicit_fields, load_for_plan, plan_resume, resumed_version
+from esrl.resume import (ResumePlan, config_file_arg, explicit_fields, load_deepspeed_for_plan, load_for_plan,
+                         plan_resume, resumed_version)
 from esrl.needs import check as check_needs
 from esrl.needs import check_scorer
 
@@ -72,6 +73,8 @@ class EsrlCLI(LightningCLI):
                 config.ckpt_path = str(Path(config.ckpt_path).expanduser())  # settings reads the path unexpanded
             # What the user gave vs the checkpoint's settings (esrl.resume): conflicts stop here, in one line.
             ckpt = load_for_plan(config.ckpt_path) if config.get("ckpt_path") else None
+            if ckpt is None and config.get("ckpt_path") and deepspeed_folder(Path(str(config.ckpt_path))):
+                ckpt = load_deepspeed_for_plan(Path(str(config.ckpt_path)))  # its settings, in DeepSpeed's files
             if ckpt is not None:
                 written = explicit_fields(argv)
                 self._resume = plan_resume(config.ckpt_path, ckpt, config.as_dict(), self.seed_everything_default,
@@ -79,7 +82,7 @@ class EsrlCLI(LightningCLI):
                 config.seed_everything = self._resume.seed
                 self._resume.run_dir = ckpt.get("esrl_run_dir") or str(Path(config.ckpt_path).parent.parent)
             elif config.get("ckpt_path") and deepspeed_folder(Path(str(config.ckpt_path))):  # ~ expanded above
-                # its settings are in DeepSpeed's files, not compared here; its run folder goes on (one history)
+                # its settings did not load (esrl.resume.load_deepspeed_for_plan): not compared; its folder goes on
                 self._resume = ResumePlan({}, config.get("seed_everything"))
                 self._resume.run_dir = str(Path(config.ckpt_path).parent.parent)
 

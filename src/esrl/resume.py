@@ -218,6 +218,22 @@ def plan_resume(ckpt_path: str, ckpt: dict[str, Any], config: dict[str, Any], se
     return ResumePlan(overrides, seed)
 
 
+def load_deepspeed_for_plan(folder: Path) -> dict[str, Any] | None:
+    """A DeepSpeed checkpoint folder's settings: Lightning hands its checkpoint, less the weights and optimizer, to
+    DeepSpeed as client state, kept in the tag's mp_rank_00_model_states.pt (memory-mapped: the module's tensors
+    unread). None where that file is missing or will not load safely: the resume then goes on uncompared."""
+    import torch
+
+    latest = folder / "latest"
+    tag = latest.read_text().strip() if latest.is_file() else "checkpoint"
+    states = folder / tag / "mp_rank_00_model_states.pt"
+    try:
+        ckpt = torch.load(states, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - a missing file, or DeepSpeed objects weights_only refuses
+        return None
+    return ckpt if isinstance(ckpt, dict) and "hyper_parameters" in ckpt else None
+
+
 def load_for_plan(ckpt_path: str) -> dict[str, Any] | None:
     """The checkpoint's small entries (memory-mapped: its tensors are not read); None for what Lightning resolves
     itself (hpc, registry, URLs; `last` is esrl.checkpoints.resolve_last's) or a DeepSpeed folder."""
