@@ -18,6 +18,7 @@ import torch  # noqa: E402
 from cli_runner import CALLS, ESRL, ROOT, run_esrl, stop_server  # noqa: E402, F401 (ESRL, ROOT, run_esrl: tests')
 
 FIXTURES = Path(__file__).parent / "fixtures"
+SMALL_VLLM = {"max_model_len": 256, "kv_cache_memory_bytes": 64 << 20}  # vllm_kwargs: a tiny model needs little cache
 CONCISENESS_FILES = {"train_path": str(FIXTURES / "conciseness_train3.jsonl"),  # 3 train prompts
                      "eval_path": str(FIXTURES / "conciseness_eval2.jsonl")}  # 2 eval prompts
 

@@ -4,6 +4,7 @@ on the HF engine's paths and on vLLM, as TRL's GRPOTrainer stops on them."""
 from __future__ import annotations
 
 import pytest
+from conftest import SMALL_VLLM
 
 from esrl.rollout.vllm import vllm_available
 
@@ -51,8 +52,7 @@ def test_vllm_and_the_hf_engine_end_at_the_same_token(declared):
 
     path, want = declared
     model, tok = load_causal_lm(path), load_tokenizer(path)
-    vllm = build_engine(RolloutConfig(engine="vllm", vllm_kwargs={"max_model_len": 256,
-                                                                   "kv_cache_memory_bytes": 64 << 20}), model, tok)
+    vllm = build_engine(RolloutConfig(engine="vllm", vllm_kwargs=SMALL_VLLM), model, tok)
     got = [c.token_ids for c in vllm.generate(PROMPTS, max_new_tokens=8, greedy=True)]
     assert got[0] == want
     assert got == [c.token_ids for c in HFEngine(model, tok).generate(PROMPTS, max_new_tokens=8, greedy=True)]

@@ -72,9 +72,9 @@ def test_a_failed_step_leaves_a_checkpoint_that_resumes_into_the_weights_of_a_ru
 def test_no_checkpoint_of_a_state_that_could_not_resume(tiny_model, tmp_path):
     """Not saved: GRPO's update applied but not yet counted by Lightning (the engine's sync after it failed: a resume
     would apply it twice), an optimizer step that failed part way (ES and GRPO: AdamW's moments and decay, some
-    tensors stepped: its weights are neither step's; before, both saved them as the step's start), a non-finite update (its weights are the failure), a failure in an epoch's end hooks (its
-    loop counters resumed one batch off), and a fit that failed before finishing a step (nothing to keep). A step
-    that failed after the first: saved."""
+    tensors stepped: its weights are neither step's; before, both saved them as the step's start), a non-finite
+    update (its weights are the failure), a failure in an epoch's end hooks (its loop counters resumed one batch off),
+    and a fit that failed before finishing a step (nothing to keep). A step that failed after the first: saved."""
     optimizer = lambda m: m.trainer.optimizers[0]  # noqa: E731 - the torch optimizer Lightning's step calls
     cases = {"uncounted": ("grpo", FailAt(lambda m: m, "sync_engine", 1), None),
              "es_partial_step": ("es", FailAt(optimizer, "step", 1, after=True), None),

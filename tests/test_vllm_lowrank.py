@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import conciseness_data
+from conftest import SMALL_VLLM, conciseness_data
 
 from esrl.errors import ConfigError
 from esrl.rollout.vllm import vllm_available
@@ -17,7 +17,6 @@ requires_vllm = pytest.mark.skipif(not vllm_available(), reason="vllm is not ins
 
 PROMPTS = [[{"role": "user", "content": "Say something short."}], [{"role": "user", "content": "Hi!"}]]
 RANK = 2  # vLLM pads it to max_lora_rank 8: the padding adds exact zeros
-VLLM_KW = {"max_model_len": 256, "kv_cache_memory_bytes": 64 << 20}  # the tiny model needs little KV cache
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +39,7 @@ def engine(tiny):
 
     path, tok, model = tiny
     adapters = get_mode("lowrank").adapter_spec(ESConfig(mode="lowrank", rank=RANK), model)  # as ESModule asks
-    return build_engine(RolloutConfig(engine="vllm", max_batch_size=16, vllm_kwargs=VLLM_KW), model, tok,
+    return build_engine(RolloutConfig(engine="vllm", max_batch_size=16, vllm_kwargs=SMALL_VLLM), model, tok,
                         adapters=adapters)
 
 
@@ -184,7 +183,7 @@ def _es_fit(engine: str, tmp_path, model: str, steps: int = 2, ckpt_path=None, s
             return scores
 
     module = Recording(PolicyConfig(name_or_path=model),
-                       RolloutConfig(engine=engine, max_new_tokens=12, max_batch_size=4, vllm_kwargs=VLLM_KW),
+                       RolloutConfig(engine=engine, max_new_tokens=12, max_batch_size=4, vllm_kwargs=SMALL_VLLM),
                        ESConfig(**{**dict(population_size=4, sigma=0.05, alpha=0.01, seed=5, checksum_every=0,
                                           mode="lowrank", rank=RANK, antithetic=True), **es}))
     module.fitness_log = []
@@ -263,7 +262,7 @@ def test_two_processes_with_one_vllm_engine_each_give_the_weights_of_one(tmp_pat
 
     path, _, _ = tiny
     cfg = write_tiny_config(tmp_path / "es_vllm.yaml", path,
-                            rollout={"engine": "vllm", "max_batch_size": 2, "vllm_kwargs": VLLM_KW},
+                            rollout={"engine": "vllm", "max_batch_size": 2, "vllm_kwargs": SMALL_VLLM},
                             es={"mode": "lowrank", "rank": RANK, "population_size": 6, "sigma": 0.05, "alpha": 0.02})
     # one process on the HF engine, which gives vLLM's fitness and weights in lowrank mode (the test above): a
     # vLLM engine's start (~15 s) saved, and the two ranks still each run their own vLLM engine

@@ -5,10 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import conciseness_data
+from conftest import SMALL_VLLM, conciseness_data
 from esrl.rollout.vllm import vllm_available
-
-SMALL_KV = {"max_model_len": 256, "kv_cache_memory_bytes": 64 << 20}  # the tiny model needs little KV cache
 
 
 @pytest.mark.parametrize("precision, dtype", [("bf16-mixed", torch.bfloat16), ("16-mixed", torch.bfloat16),
@@ -42,7 +40,7 @@ def test_grpo_with_fp32_weights_and_bf16_mixed_runs_a_bf16_engine_that_follows_t
 
     model = tiny_llama(tmp_path_factory.mktemp("tiny") / "llama256", hidden_size=256)  # vLLM CPU: head_dim 64
     module = GRPOModule(PolicyConfig(name_or_path=model, dtype="float32"),
-                        RolloutConfig(engine="vllm", max_new_tokens=6, vllm_kwargs=SMALL_KV),
+                        RolloutConfig(engine="vllm", max_new_tokens=6, vllm_kwargs=SMALL_VLLM),
                         GRPOConfig(num_generations=4, seed=1, learning_rate=5e-2, lr_scheduler="constant"))
     data = conciseness_data(2)
     L.Trainer(accelerator="cpu", devices=1, precision="bf16-mixed", max_steps=1, enable_progress_bar=False,

@@ -72,19 +72,18 @@ class EsrlCLI(LightningCLI):
             if str(config.get("ckpt_path") or "").startswith("~"):  # LightningCLI's restore of the checkpoint's
                 config.ckpt_path = str(Path(config.ckpt_path).expanduser())  # settings reads the path unexpanded
             # What the user gave vs the checkpoint's settings (esrl.resume): conflicts stop here, in one line.
-            ckpt = load_for_plan(config.ckpt_path) if config.get("ckpt_path") else None
-            if ckpt is None and config.get("ckpt_path") and deepspeed_folder(Path(str(config.ckpt_path))):
-                ckpt = load_deepspeed_for_plan(Path(str(config.ckpt_path)))  # its settings, in DeepSpeed's files
+            path = Path(str(config.ckpt_path)) if config.get("ckpt_path") else None  # ~ expanded above
+            folder = path is not None and deepspeed_folder(path)  # DeepSpeed's: its settings in DeepSpeed's files
+            ckpt = None if path is None else load_deepspeed_for_plan(path) if folder else load_for_plan(str(path))
             if ckpt is not None:
                 written = explicit_fields(argv)
                 self._resume = plan_resume(config.ckpt_path, ckpt, config.as_dict(), self.seed_everything_default,
                                            written)
                 config.seed_everything = self._resume.seed
                 self._resume.run_dir = ckpt.get("esrl_run_dir") or str(Path(config.ckpt_path).parent.parent)
-            elif config.get("ckpt_path") and deepspeed_folder(Path(str(config.ckpt_path))):  # ~ expanded above
-                # its settings did not load (esrl.resume.load_deepspeed_for_plan): not compared; its folder goes on
+            elif folder:  # its settings did not load (esrl.resume.load_deepspeed_for_plan): not compared
                 self._resume = ResumePlan({}, config.get("seed_everything"))
-                self._resume.run_dir = str(Path(config.ckpt_path).parent.parent)
+                self._resume.run_dir = str(path.parent.parent)  # its run folder goes on (one history)
 
     def instantiate_classes(self) -> None:
         one_line_classes(super().instantiate_classes)

@@ -42,6 +42,7 @@ class PolicyModule(L.LightningModule):
 
     def __init__(self, policy: PolicyConfig | None = None, rollout: RolloutConfig | None = None):
         super().__init__()
+        self.update_in_flight = False  # an update begun but not yet counted (optimizer_step): no failure checkpoint
         self.policy_config = policy or PolicyConfig()
         self.rollout_config = rollout or RolloutConfig()
         require(self.policy_config.dtype in DTYPES, "model.policy.dtype",
@@ -226,7 +227,7 @@ class PolicyModule(L.LightningModule):
 
     def mid_step(self) -> str | None:
         """What makes the weights no step's own right now (None: they are a step's): a checkpoint refuses them."""
-        return "an optimizer step is updating them" if getattr(self, "update_in_flight", False) else None
+        return "an optimizer step is updating them" if self.update_in_flight else None
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if (why := self.mid_step()) is not None:  # a save from a signal handler, e.g. Lightning's SLURM auto-requeue
@@ -245,7 +246,7 @@ class PolicyModule(L.LightningModule):
         self._lagrangian_state = checkpoint.get("esrl_lagrangian")
 
     def on_train_start(self) -> None:
-        self.update_in_flight = False  # an update begun but not yet counted (optimizer_step): no failure checkpoint
+        self.update_in_flight = False  # a fit before this one may have failed inside its step
         self.prepare_rollouts()
 
     def prepare_rollouts(self) -> None:

@@ -215,6 +215,7 @@ class Evaluation(L.Callback):
         return total / max(tokens, 1)
 
     def _k3_sums(self, module, base, prompts, samples) -> tuple[float, int]:
+        """The k3 terms summed over the samples' completion tokens, and how many tokens."""
         from esrl.models.logps import packed, per_token_logps
 
         tok = module.tokenizer
@@ -295,15 +296,13 @@ def _trim_table(path, step: int) -> None:
     write_with(path, write)
 
 
-class _AdapterOff(torch.nn.Module):
+class _AdapterOff:
     """A PEFT policy called with its adapter disabled (PEFT's disable_adapter), as GRPOModule.reference_logps reads
     its LoRA reference: the base model's log-probs without a second copy of it."""
 
     def __init__(self, policy: torch.nn.Module):
-        super().__init__()
-        self.policy = [policy]  # not a submodule: nothing here to move, train or save
+        self.policy = policy
 
-    def forward(self, *args, **kwargs):
-        with self.policy[0].disable_adapter():
-            return self.policy[0](*args, **kwargs)
-
+    def __call__(self, *args, **kwargs):
+        with self.policy.disable_adapter():
+            return self.policy(*args, **kwargs)

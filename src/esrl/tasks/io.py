@@ -19,7 +19,8 @@ def _read_bytes(path: str | Path) -> bytes:
     try:
         return Path(path).read_bytes()
     except FileNotFoundError:
-        where = "" if Path(path).is_absolute() else f" in {Path.cwd()} (a relative path is read from the current folder)"
+        where = "" if Path(path).is_absolute() else \
+            f" in {Path.cwd()} (a relative path is read from the current folder)"
         raise DataError(f"{path}: file not found{where}") from None
     except OSError as e:
         raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
